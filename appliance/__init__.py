@@ -1,0 +1,1 @@
+"""Control plane of the serving appliance: config, planner, KV-cache manager, scheduler, server."""

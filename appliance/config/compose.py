@@ -1,0 +1,293 @@
+"""Composed DictConfig -> validated, frozen RuntimeConfig with derived cache-group specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from appliance.config import schema
+from appliance.config.errors import ConfigError, ConfigIssue
+from appliance.config.runtime import (
+    BenchSettings, DeviceSettings, KvCacheSettings, Layout, ModelSpec, PlanSettings, RuntimeConfig,
+    ServerSettings, freeze,
+)
+from appliance.kv_cache_spec import DTYPE_BYTES, FULL, RING, CacheGroupSpec, full_history_blocks, ring_blocks
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+MODES = ("serve", "plan", "bench", "validate")
+ARCHS = ("deepseek_v4", "qwen3")
+DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def load_model_config(name: str) -> DictConfig:
+    """A model group option from conf/model/, typed against the schema (used for the embedded default)."""
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError([ConfigIssue("default_model", name, f"must be one of {available_models()}")])
+    base = OmegaConf.structured(schema.ModelConfig)
+    try:
+        return OmegaConf.merge(base, OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise ConfigError([ConfigIssue(f"model.{exc.full_key}", None, str(exc.msg))]) from None
+
+
+class _Checker:
+    """Collects issues instead of stopping at the first one."""
+
+    def __init__(self) -> None:
+        self.issues: list[ConfigIssue] = []
+
+    def fail(self, path: str, value: object, rule: str) -> None:
+        self.issues.append(ConfigIssue(path, value, rule))
+
+    def check(self, ok: bool, path: str, value: object, rule: str) -> bool:
+        if not ok:
+            self.fail(path, value, rule)
+        return ok
+
+    def positive_int(self, path: str, value: object, optional: bool = False) -> bool:
+        if value is None and optional:
+            return True
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return self.check(ok, path, value, "must be a positive integer")
+
+    def non_negative(self, path: str, value: object, optional: bool = False) -> bool:
+        if value is None and optional:
+            return True
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        return self.check(ok, path, value, "must be >= 0")
+
+    def dtype(self, path: str, value: object, optional: bool = False) -> bool:
+        if value is None and optional:
+            return True
+        return self.check(value in DTYPE_BYTES, path, value,
+                          f"must be a torch dtype name ({', '.join(sorted(DTYPE_BYTES))})")
+
+    def one_of(self, path: str, value: object, allowed: tuple[str, ...]) -> bool:
+        return self.check(value in allowed, path, value, f"must be one of {list(allowed)}")
+
+
+def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
+    """Validate a composed config (all errors together) and freeze it, deriving every cache-group spec."""
+    cfg = cfg.copy()
+    if cfg.get("model") is None:
+        with open_dict(cfg):
+            cfg.model = load_model_config(cfg.default_model)
+    checker = _Checker()
+    _check_top_level(checker, cfg)
+    _check_layout(checker, cfg.model)
+    groups = _derive_cache_groups(checker, cfg)
+    if checker.issues:
+        raise ConfigError(checker.issues)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
+    model = plain["model"]
+    return RuntimeConfig(
+        mode=cfg.mode,
+        model=ModelSpec(
+            name=model["name"], arch=model["arch"], layout=freeze(Layout, model["layout"]),
+            cache_groups=groups, weights=model["weights"], tokenizer=model["tokenizer"],
+            weights_seed=model["weights_seed"],
+        ),
+        device=freeze(DeviceSettings, plain["device"]),
+        server=freeze(ServerSettings, plain["server"]),
+        kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
+        plan=freeze(PlanSettings, plain["plan"]),
+        bench=freeze(BenchSettings, plain["bench"]),
+        npu_memory_utilization=float(cfg.npu_memory_utilization),
+        decode_batch=cfg.decode_batch,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_waiting_requests=cfg.max_waiting_requests,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        seed=cfg.seed,
+        resolved_yaml=OmegaConf.to_yaml(hydra_free),
+    )
+
+
+def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
+    c.one_of("mode", cfg.mode, MODES)
+    u = cfg.npu_memory_utilization
+    c.check(isinstance(u, (int, float)) and 0 < u <= 1, "npu_memory_utilization", u, "must be in (0, 1]")
+    for key in ("decode_batch", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        c.positive_int(key, cfg[key])
+    model = cfg.model
+    cap = model.layout.max_model_len_cap
+    if isinstance(cfg.max_model_len, int) and isinstance(cap, int):
+        c.check(cfg.max_model_len <= cap, "max_model_len", cfg.max_model_len,
+                f"must be <= {cap} (model.layout.max_model_len_cap of {model.name})")
+    if isinstance(cfg.decode_batch, int):
+        c.check(cfg.decode_batch <= model.max_decode_batch, "decode_batch", cfg.decode_batch,
+                f"must be <= {model.max_decode_batch} (model.max_decode_batch of {model.name})")
+    if isinstance(cfg.max_num_seqs, int):
+        c.check(cfg.max_num_seqs <= model.max_num_seqs, "max_num_seqs", cfg.max_num_seqs,
+                f"must be <= {model.max_num_seqs} (model.max_num_seqs of {model.name})")
+
+    dev = cfg.device
+    c.one_of("device.kind", dev.kind, DEVICE_KINDS)
+    c.positive_int("device.count", dev.count, optional=True)
+    c.positive_int("device.memory_bytes_per_device", dev.memory_bytes_per_device, optional=True)
+    if dev.offline:
+        c.check(dev.count is not None, "device.count", dev.count, "an offline planning profile must give a device count")
+        c.check(dev.memory_bytes_per_device is not None, "device.memory_bytes_per_device",
+                dev.memory_bytes_per_device, "an offline planning profile must give memory per device")
+        c.check(cfg.mode in ("plan", "validate"), "mode", cfg.mode,
+                "an offline planning profile (device.offline=true) only supports mode=plan or mode=validate")
+
+    srv = cfg.server
+    c.check(isinstance(srv.port, int) and 0 <= srv.port <= 65535, "server.port", srv.port, "must be in [0, 65535]")
+    c.positive_int("server.workers", srv.workers)
+    c.positive_int("server.max_message_bytes", srv.max_message_bytes)
+    c.non_negative("server.grace_period_s", srv.grace_period_s)
+    c.non_negative("server.startup_timeout_s", srv.startup_timeout_s)
+    c.check((srv.tls_cert_file is None) == (srv.tls_key_file is None), "server.tls_key_file", srv.tls_key_file,
+            "TLS needs both server.tls_cert_file and server.tls_key_file")
+    if srv.host not in LOOPBACK_HOSTS:
+        c.check(srv.tls_cert_file is not None or srv.insecure, "server.host", srv.host,
+                "binding a non-loopback address needs TLS (server.tls_cert_file/tls_key_file) or server.insecure=true")
+
+    kv = cfg.kv_cache
+    c.positive_int("kv_cache.kv_cache_memory_bytes", kv.kv_cache_memory_bytes, optional=True)
+    c.positive_int("kv_cache.num_slots_override", kv.num_slots_override, optional=True)
+    if kv.kv_cache_memory_bytes is not None and kv.num_slots_override is not None:
+        c.fail("kv_cache.num_slots_override", kv.num_slots_override,
+               "set at most one of kv_cache.kv_cache_memory_bytes and kv_cache.num_slots_override")
+    c.non_negative("plan.peak_non_kv_bytes", cfg.plan.peak_non_kv_bytes, optional=True)
+    c.non_negative("plan.activation_allowance_bytes", cfg.plan.activation_allowance_bytes)
+
+    bench = cfg.bench
+    for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):
+        c.positive_int(f"bench.{key}", bench[key])
+    for lo, hi in (("prompt_len_min", "prompt_len_max"), ("output_len_min", "output_len_max")):
+        if isinstance(bench[lo], int) and isinstance(bench[hi], int):
+            c.check(bench[lo] <= bench[hi], f"bench.{lo}", bench[lo], f"must be <= bench.{hi} ({bench[hi]})")
+
+
+def _check_layout(c: _Checker, model: DictConfig) -> None:
+    c.one_of("model.arch", model.arch, ARCHS)
+    lay = model.layout
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "block_size", "intermediate_size", "max_model_len_cap"):
+        c.positive_int(f"model.layout.{key}", lay[key])
+    c.positive_int("model.max_decode_batch", model.max_decode_batch)
+    c.positive_int("model.max_num_seqs", model.max_num_seqs)
+    c.dtype("model.layout.dtype", lay.dtype)
+    c.dtype("model.layout.expert_dtype", lay.expert_dtype, optional=True)
+    if isinstance(lay.num_heads, int) and isinstance(lay.num_kv_heads, int) and lay.num_kv_heads > 0:
+        c.check(lay.num_heads % lay.num_kv_heads == 0, "model.layout.num_kv_heads", lay.num_kv_heads,
+                f"must divide model.layout.num_heads ({lay.num_heads})")
+    c.non_negative("model.layout.num_mtp_layers", lay.num_mtp_layers)
+    c.non_negative("model.layout.tokens_in_flight", lay.tokens_in_flight)
+    if model.arch != "deepseek_v4":
+        return
+    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
+        c.positive_int(f"model.layout.{key}", lay[key])
+    ratios = lay.compress_ratios
+    if not c.check(ratios is not None, "model.layout.compress_ratios", None, "deepseek_v4 needs one compress ratio per layer"):
+        return
+    expected = lay.num_layers + lay.num_mtp_layers if isinstance(lay.num_layers, int) else None
+    c.check(len(ratios) == expected, "model.layout.compress_ratios", f"<{len(ratios)} entries>",
+            f"must have num_layers + num_mtp_layers = {expected} entries (is this a tiny layout mixed with a full one?)")
+    for i, r in enumerate(ratios):
+        if c.check(isinstance(r, int) and r >= 0, f"model.layout.compress_ratios[{i}]", r, "must be an integer >= 0"):
+            if r > 0 and isinstance(lay.block_size, int) and lay.block_size > 0:
+                c.check(lay.block_size % r == 0, f"model.layout.compress_ratios[{i}]", r,
+                        f"must divide model.layout.block_size ({lay.block_size})")
+
+
+def _select_layers(c: _Checker, path: str, selector: Any, num_layers: int, ratios: tuple[int, ...]) -> tuple[int, ...] | None:
+    if selector == "all":
+        return tuple(range(num_layers))
+    if isinstance(selector, DictConfig):
+        if set(selector.keys()) != {"compress_ratio"}:
+            c.fail(path, OmegaConf.to_container(selector), "a layer selector dict has exactly one key, compress_ratio")
+            return None
+        ratio = selector.compress_ratio
+        chosen = tuple(i for i, r in enumerate(ratios) if r == ratio and ratio != 0)
+        if not chosen:
+            c.fail(f"{path}.compress_ratio", ratio,
+                   f"no main layer has this compress ratio (the layout has {sorted(set(r for r in ratios if r))})")
+            return None
+        return chosen
+    if isinstance(selector, (list, tuple)) or OmegaConf.is_list(selector):
+        ids = list(selector)
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_layers]
+        if bad:
+            c.fail(path, ids, f"layer ids must be in [0, {num_layers}); bad: {bad}")
+            return None
+        if not c.check(len(set(ids)) == len(ids) and ids, path, ids, "layer ids must be non-empty and unique"):
+            return None
+        return tuple(sorted(ids))
+    c.fail(path, selector, "must be 'all', {compress_ratio: R} or a list of layer ids")
+    return None
+
+
+def _derive_cache_groups(c: _Checker, cfg: DictConfig) -> tuple[CacheGroupSpec, ...]:
+    model, lay = cfg.model, cfg.model.layout
+    if not c.check(len(model.cache_groups) > 0, "model.cache_groups", [], "a model needs at least one cache group"):
+        return ()
+    if c.issues and any(i.path.startswith("model.layout") for i in c.issues):
+        return ()  # group sizes derive from the layout; its errors come first
+    ratios = tuple((lay.compress_ratios or [])[: lay.num_layers])
+    seen: set[str] = set()
+    specs: list[CacheGroupSpec] = []
+    for gi, group in enumerate(model.cache_groups):
+        p = f"model.cache_groups[{gi}]"
+        c.check(group.name not in seen, f"{p}.name", group.name, "duplicate cache group name")
+        seen.add(group.name)
+        ok = c.one_of(f"{p}.history", group.history, (RING, FULL))
+        ok &= c.positive_int(f"{p}.rows_per_block", group.rows_per_block)
+        ok &= c.positive_int(f"{p}.tokens_per_row", group.tokens_per_row)
+        ok &= c.positive_int(f"{p}.row.width", group.row.width)
+        ok &= c.non_negative(f"{p}.row.extra_bytes", group.row.extra_bytes)
+        ok &= c.dtype(f"{p}.row.dtype", group.row.dtype)
+        layer_ids = _select_layers(c, f"{p}.layers", group.layers, lay.num_layers, ratios)
+        if not ok or layer_ids is None:
+            continue
+        if not c.check(lay.block_size % group.tokens_per_row == 0, f"{p}.tokens_per_row", group.tokens_per_row,
+                       f"must divide model.layout.block_size ({lay.block_size})"):
+            continue
+        tokens_per_page = group.rows_per_block * group.tokens_per_row
+        ring: dict[str, Any] = {}
+        if group.history == FULL:
+            if not c.check(tokens_per_page == lay.block_size, f"{p}.rows_per_block", group.rows_per_block,
+                           f"a full-history page must cover one block: rows_per_block x tokens_per_row "
+                           f"({tokens_per_page}) must equal model.layout.block_size ({lay.block_size})"):
+                continue
+            max_blocks = full_history_blocks(cfg.max_model_len, lay.block_size) if isinstance(cfg.max_model_len, int) and cfg.max_model_len > 0 else 1
+        else:
+            span = _ring_span_tokens(c, p, group, lay)
+            if span is None:
+                continue
+            max_blocks = ring_blocks(span, lay.tokens_in_flight, tokens_per_page, group.ring_aligned)
+            ring = {"ring_span_tokens": span, "ring_aligned": group.ring_aligned}
+        specs.append(CacheGroupSpec(
+            name=group.name, layer_ids=layer_ids, rows_per_block=group.rows_per_block,
+            tokens_per_row=group.tokens_per_row, row_dtype=group.row.dtype, row_width=group.row.width,
+            row_extra_bytes=group.row.extra_bytes, history=group.history, max_blocks_per_seq=max_blocks, **ring,
+        ))
+    return tuple(specs)
+
+
+def _ring_span_tokens(c: _Checker, p: str, group: DictConfig, lay: DictConfig) -> int | None:
+    if group.ring_span == "sliding_window":
+        if c.check(lay.sliding_window is not None, f"{p}.ring_span", group.ring_span,
+                   "ring_span=sliding_window needs model.layout.sliding_window"):
+            return lay.sliding_window
+        return None
+    if group.ring_span == "compress_ratio":
+        if c.check(isinstance(group.layers, DictConfig) and "compress_ratio" in group.layers, f"{p}.ring_span",
+                   group.ring_span, "ring_span=compress_ratio needs a layers selector {compress_ratio: R}"):
+            return group.layers.compress_ratio
+        return None
+    c.fail(f"{p}.ring_span", group.ring_span, "a ring group needs ring_span: sliding_window or compress_ratio")
+    return None

@@ -1,0 +1,146 @@
+"""Config schema: dataclasses registered in Hydra's ConfigStore.
+
+Hydra type-checks overrides against these and rejects unknown keys (struct mode). Every default value
+lives in conf/*.yaml; the defaults here only exist so the schema is complete. Semantic rules
+(ranges, cross-field checks) live in appliance.config.validate so several errors are reported together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class LayoutConfig:
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    head_dim: int = MISSING
+    vocab_size: int = MISSING
+    block_size: int = MISSING              # tokens per KV-cache block
+    intermediate_size: int = MISSING       # dense MLP width
+    max_model_len_cap: int = MISSING       # longest sequence the layout supports
+    dtype: str = "bfloat16"                # activations and dense weights
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    # DeepSeek V4 (arch deepseek_v4); ignored by plain attention layouts.
+    num_mtp_layers: int = 0
+    sliding_window: Optional[int] = None
+    compress_ratios: Optional[List[int]] = None   # one per layer, main layers then MTP layers
+    index_head_dim: Optional[int] = None
+    index_num_heads: Optional[int] = None
+    index_topk: Optional[int] = None
+    tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
+    q_lora_rank: Optional[int] = None
+    num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: Optional[int] = None
+    expert_dtype: Optional[str] = None     # dtype of expert weights (e.g. float8_e4m3fn)
+
+
+@dataclass
+class RowConfig:
+    dtype: str = MISSING
+    width: int = MISSING                   # elements per row
+    extra_bytes: int = 0                   # e.g. a per-row fp32 scale
+
+
+@dataclass
+class CacheGroupConfig:
+    name: str = MISSING
+    layers: Any = "all"                    # "all" | {compress_ratio: R} | [layer ids]
+    rows_per_block: int = MISSING          # rows one page stores, per layer
+    tokens_per_row: int = 1                # tokens summarised by one row (compression ratio for compressed KV)
+    row: RowConfig = field(default_factory=RowConfig)
+    history: str = MISSING                 # ring | full
+    ring_span: Optional[str] = None        # ring groups: sliding_window | compress_ratio
+    ring_aligned: bool = False             # ring starts on page boundaries (compressor states)
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    arch: str = MISSING                    # deepseek_v4 | qwen3
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    cache_groups: List[CacheGroupConfig] = field(default_factory=list)
+    weights: str = "random"                # random | path to a checkpoint directory
+    tokenizer: Optional[str] = None        # path to tokenizer.json; default: <weights>/tokenizer.json
+    weights_seed: int = 0
+    max_decode_batch: int = 256            # largest decode batch the runner's kernels accept
+    max_num_seqs: int = 1024               # largest concurrency the runner's metadata accepts
+
+
+@dataclass
+class DeviceConfig:
+    kind: str = MISSING                    # auto | cpu | cuda | npu
+    count: Optional[int] = None
+    memory_bytes_per_device: Optional[int] = None
+    offline: bool = False                  # planning profile: no device is touched
+
+
+@dataclass
+class ServerConfig:
+    host: str = MISSING
+    port: int = MISSING
+    insecure: bool = False
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
+    auth_token: Optional[str] = None
+    max_message_bytes: int = MISSING
+    grace_period_s: float = MISSING
+    startup_timeout_s: float = MISSING
+    workers: int = MISSING
+
+
+@dataclass
+class KvCacheConfig:
+    kv_cache_memory_bytes: Optional[int] = None
+    num_slots_override: Optional[int] = None
+
+
+@dataclass
+class PlanConfig:
+    peak_non_kv_bytes: Optional[int] = None
+    activation_allowance_bytes: int = MISSING
+
+
+@dataclass
+class BenchConfig:
+    num_requests: int = MISSING
+    prompt_len_min: int = MISSING
+    prompt_len_max: int = MISSING
+    output_len_min: int = MISSING
+    output_len_max: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class ApplianceConfig:
+    mode: str = MISSING
+    default_model: str = MISSING
+    npu_memory_utilization: float = MISSING
+    decode_batch: int = MISSING
+    max_model_len: int = MISSING
+    max_num_seqs: int = MISSING
+    max_num_batched_tokens: int = MISSING
+    max_waiting_requests: int = MISSING
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: DeviceConfig = MISSING
+    server: ServerConfig = MISSING
+    model: Optional[ModelConfig] = None
+    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def register_schema() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="appliance_schema", node=ApplianceConfig)

@@ -1,0 +1,27 @@
+"""What the engine hands the model runner for one step. Plain data; no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step."""
+
+    request_id: str
+    token_ids: list[int]               # tokens computed in this step (a prefill chunk, or 1 decode token)
+    start_pos: int                     # tokens already in the cache = position of token_ids[0]
+    # Per cache group, physical page ids. Full-history groups: one entry per logical page (page i holds
+    # tokens [i * tokens_per_page, (i + 1) * tokens_per_page)). Ring groups: exactly max_blocks_per_seq
+    # entries indexed by slot = logical_page % max_blocks_per_seq; -1 where no page is held.
+    block_tables: dict[str, list[int]]
+    sample: bool = True                # logits of the last token are needed (False for a non-final prefill chunk)
+
+
+@dataclass
+class StepBatch:
+    seqs: list[SeqStep]
+    # Pages (per group) that received a new logical page since the previous step. The runner zeroes
+    # those of state groups before use, clearing contiguous runs of page ids in one copy each.
+    new_pages: dict[str, list[int]] = field(default_factory=dict)
