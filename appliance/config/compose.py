@@ -195,13 +195,17 @@ def _check_layout(c: _Checker, model: DictConfig) -> None:
     if not c.check(ratios is not None, "model.layout.compress_ratios", None, "deepseek_v4 needs one compress ratio per layer"):
         return
     expected = lay.num_layers + lay.num_mtp_layers if isinstance(lay.num_layers, int) else None
-    c.check(len(ratios) == expected, "model.layout.compress_ratios", f"<{len(ratios)} entries>",
-            f"must have num_layers + num_mtp_layers = {expected} entries (is this a tiny layout mixed with a full one?)")
+    c.check(len(ratios) == expected, "model.layout.compress_ratios", list(ratios),
+            f"must have num_layers + num_mtp_layers = {expected} entries, has {len(ratios)} "
+            f"(is a tiny layout mixed with a full one?)")
+    bad_ratio_layers: dict[int, list[int]] = {}
     for i, r in enumerate(ratios):
         if c.check(isinstance(r, int) and r >= 0, f"model.layout.compress_ratios[{i}]", r, "must be an integer >= 0"):
-            if r > 0 and isinstance(lay.block_size, int) and lay.block_size > 0:
-                c.check(lay.block_size % r == 0, f"model.layout.compress_ratios[{i}]", r,
-                        f"must divide model.layout.block_size ({lay.block_size})")
+            if r > 0 and isinstance(lay.block_size, int) and lay.block_size > 0 and lay.block_size % r:
+                bad_ratio_layers.setdefault(r, []).append(i)
+    for r, layers in bad_ratio_layers.items():
+        c.fail(f"model.layout.compress_ratios[{layers[0]}]", r,
+               f"must divide model.layout.block_size ({lay.block_size}); layers with this ratio: {layers}")
 
 
 def _select_layers(c: _Checker, path: str, selector: Any, num_layers: int, ratios: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, module: str = "appliance", timeout: float = 120, cwd: Path | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m appliance ...` as a user would, capturing output."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """CLI runner whose Hydra output goes to a temporary directory."""
+    def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+        return run_cli(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/multirun", **kw)
+    return _run
