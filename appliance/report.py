@@ -70,3 +70,13 @@ def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan
     if plan.override:
         lines.append(f"override: {plan.override}")
     return "\n".join(lines)
+
+
+def startup_report_table(report) -> str:
+    """The startup lines serving engineers look for: what was loaded, measured, planned and allocated."""
+    head = (f"{report.model_name} ({report.arch}) on {report.device_count} x {report.device_kind}; weights "
+            f"{report.weights}; load {report.load_seconds:.2f} s, profile {report.profile_seconds:.2f} s, "
+            f"allocate {report.allocate_seconds:.2f} s")
+    if report.allocation_retries:
+        head += f"; allocation retried {report.allocation_retries} time(s) with fewer slots"
+    return capacity_plan_table(report.plan, title=f"startup report: {head}")

@@ -1,0 +1,58 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, with a seeded generator per request.
+
+Each request draws from its own torch.Generator, so a sampled output depends on the request's seed and
+its logits only, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from appliance.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device, base_seed: int = 0):
+        self.device = device
+        self.base_seed = base_seed
+        self._generators: dict[str, torch.Generator] = {}
+        self._counter = 0
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            self._counter += 1
+            seed = params.seed if params.seed is not None else self.base_seed * 1_000_003 + self._counter
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> list[int]:
+        """logits [len(rows), vocab] -> one token id per row."""
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, (_, p) in enumerate(rows) if not p.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            params = [rows[i][1] for i in random_rows]
+            temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=torch.float32)
+            scaled = logits.index_select(0, idx).float() / temps[:, None]
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(scaled.shape[-1], device=logits.device)[None, :]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params], device=logits.device)
+            sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+            probs = sorted_logits.softmax(dim=-1)
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float32)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            outside = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+            probs = probs.masked_fill(outside, 0.0)
+            noise = torch.stack([
+                torch.empty(probs.shape[-1], device=logits.device).exponential_(
+                    generator=self._generator(rows[i][0], rows[i][1]))
+                for i in random_rows])
+            choice = (probs / noise).argmax(dim=-1)
+            tokens[idx] = order.gather(1, choice[:, None]).squeeze(1)
+        return tokens.tolist()
