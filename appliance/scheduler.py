@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from appliance.config.runtime import RuntimeConfig
+from appliance.kv_cache_manager import KvCapacityError
 from appliance.sequence import Sequence, SeqStatus
 
 
@@ -58,6 +59,14 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
 
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Pages for the next tokens in every group at once, or nothing."""
+        try:
+            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens)
+            return True
+        except KvCapacityError:
+            return False
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.request_id)
@@ -85,7 +94,7 @@ class Scheduler:
             n = min(seq.num_pending_tokens, budget, self.chunk_cap)
             if seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders:
                 continue
-            while not self.kv.allocate(seq.request_id, seq.token_ids, n):
+            while not self._allocate(seq, n):
                 victim = self.running[-1]  # newest
                 self._preempt(victim)
                 if victim is seq:
@@ -107,7 +116,7 @@ class Scheduler:
             if n == 1 and decode_rows == 0:
                 self.kv.free(seq.request_id)
                 break
-            if not self.kv.allocate(seq.request_id, seq.token_ids, n):
+            if not self._allocate(seq, n):
                 self.kv.free(seq.request_id)
                 break
             self.waiting.popleft()
