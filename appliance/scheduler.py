@@ -37,6 +37,7 @@ class Scheduler:
         self.decode_batch = rc.decode_batch
         in_flight = rc.model.layout.tokens_in_flight
         self.chunk_cap = min(in_flight, rc.max_num_batched_tokens) if in_flight else rc.max_num_batched_tokens
+        self.block_size = rc.block_size
         self.enable_prefix_caching = rc.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -58,6 +59,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
+
+    def _chunk(self, start: int, pending: int, budget: int) -> int:
+        """Tokens to compute now. A partial prefill chunk ends on a block boundary, so that every chunk
+        starts page-aligned and a ring group never needs more than its max_blocks_per_seq slots."""
+        n = min(pending, budget, self.chunk_cap)
+        if n < pending:
+            n = (start + n) // self.block_size * self.block_size - start
+        return max(n, 0)
 
     def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Pages for the next tokens in every group at once, or nothing."""
@@ -91,8 +100,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
-            n = min(seq.num_pending_tokens, budget, self.chunk_cap)
-            if seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders:
+            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
+            if n == 0 or (seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders):
                 continue
             while not self._allocate(seq, n):
                 victim = self.running[-1]  # newest
@@ -112,8 +121,8 @@ class Scheduler:
                 cached = self.kv.match_prefix(seq.request_id, seq.token_ids)
             else:
                 cached = 0
-            n = min(seq.num_tokens - cached, budget, self.chunk_cap)
-            if n == 1 and decode_rows == 0:
+            n = self._chunk(cached, seq.num_tokens - cached, budget)
+            if n == 0 or (n == 1 and decode_rows == 0):
                 self.kv.free(seq.request_id)
                 break
             if not self._allocate(seq, n):

@@ -230,3 +230,9 @@ def test_cli_validate_prints_groups_fast_and_without_torch(cli):
     assert "appliance.config.compose" in imported  # the import log really was captured
     assert not any(m == "torch" or m.startswith("torch.") for m in imported)
     assert elapsed < 10  # the 2 s target is measured in BENCHMARKS.md, not asserted here
+
+
+def test_step_budget_and_prefill_tiles_are_whole_blocks():
+    assert_issue(["max_num_batched_tokens=8"], "max_num_batched_tokens", ["8", "block_size (16)"])
+    assert_issue(["+model=dsv4", "model.layout.tokens_in_flight=200"], "model.layout.tokens_in_flight",
+                 ["200", "multiple", "128"])

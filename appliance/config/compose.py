@@ -125,6 +125,10 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     if isinstance(cfg.max_model_len, int) and isinstance(cap, int):
         c.check(cfg.max_model_len <= cap, "max_model_len", cfg.max_model_len,
                 f"must be <= {cap} (model.layout.max_model_len_cap of {model.name})")
+    block = model.layout.block_size
+    if isinstance(cfg.max_num_batched_tokens, int) and isinstance(block, int):
+        c.check(cfg.max_num_batched_tokens >= block, "max_num_batched_tokens", cfg.max_num_batched_tokens,
+                f"must be >= model.layout.block_size ({block}): prefill chunks end on block boundaries")
     if isinstance(cfg.decode_batch, int):
         c.check(cfg.decode_batch <= model.max_decode_batch, "decode_batch", cfg.decode_batch,
                 f"must be <= {model.max_decode_batch} (model.max_decode_batch of {model.name})")
@@ -186,7 +190,10 @@ def _check_layout(c: _Checker, model: DictConfig) -> None:
         c.check(lay.num_heads % lay.num_kv_heads == 0, "model.layout.num_kv_heads", lay.num_kv_heads,
                 f"must divide model.layout.num_heads ({lay.num_heads})")
     c.non_negative("model.layout.num_mtp_layers", lay.num_mtp_layers)
-    c.non_negative("model.layout.tokens_in_flight", lay.tokens_in_flight)
+    if c.non_negative("model.layout.tokens_in_flight", lay.tokens_in_flight) and isinstance(lay.block_size, int) \
+            and lay.block_size > 0:
+        c.check(lay.tokens_in_flight % lay.block_size == 0, "model.layout.tokens_in_flight", lay.tokens_in_flight,
+                f"must be a multiple of model.layout.block_size ({lay.block_size}): prefill tiles are whole blocks")
     if model.arch != "deepseek_v4":
         return
     for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
