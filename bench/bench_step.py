@@ -1,0 +1,125 @@
+"""Prefill and decode step times of the tiny models' runners, straight through ModelRunner.execute.
+
+    python bench/bench_step.py                       # qwen3_tiny (+ dsv4_tiny when npu.deepseek_v4 exists)
+    python bench/bench_step.py --batch-sizes 1 8 32 --prompt-len 64 --context 256 --iters 20
+
+Prefill: B sequences, each a prompt chunk of --prompt-len tokens from position 0 (deepseek_v4 caps a
+chunk at layout.tokens_in_flight). Decode: B sequences, one token each at position --context.
+Each sequence has its own pages. Prints a markdown table, the command and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from appliance.config import load_runtime_config  # noqa: E402
+from npu.launcher import build_runner  # noqa: E402
+from npu.step import SeqStep, StepBatch  # noqa: E402
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
+    except OSError:
+        model = platform.processor() or "?"
+    import os
+    return (f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}")
+
+
+class Pages:
+    """Hands each sequence its own pages in every group."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.next = {s.name: 0 for s in runner.model.cache_groups}
+
+    def tables(self, end_tokens: int) -> dict[str, list[int]]:
+        out = {}
+        for spec in self.runner.model.cache_groups:
+            n = spec.max_blocks_per_seq if spec.is_ring else math.ceil(end_tokens / spec.tokens_per_page)
+            start = self.next[spec.name]
+            out[spec.name] = list(range(start, start + n))
+            self.next[spec.name] = start + n
+        return out
+
+
+def pages_needed(runner, batch: int, end_tokens: int) -> dict[str, int]:
+    return {s.name: batch * (s.max_blocks_per_seq if s.is_ring else math.ceil(end_tokens / s.tokens_per_page))
+            for s in runner.model.cache_groups}
+
+
+def time_step(runner, batch: StepBatch, iters: int, warmup: int = 2) -> float:
+    with torch.inference_mode():
+        for _ in range(warmup):
+            runner.execute(batch)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int, iters: int) -> list[dict]:
+    rc = load_runtime_config([f"+model={name}", f"max_model_len={max(context + 1, prompt_len)}"])
+    runner = build_runner(rc.model, torch.device("cpu"))
+    runner.load_weights()
+    chunk = prompt_len
+    if rc.model.arch == "deepseek_v4" and rc.model.layout.tokens_in_flight:
+        chunk = min(chunk, rc.model.layout.tokens_in_flight)
+    rows = []
+    for b in batch_sizes:
+        end = max(context + 1, chunk)
+        runner.allocate_pools(pages_needed(runner, 2 * b, end), 1)
+        pages = Pages(runner)
+        prefill = StepBatch([SeqStep(f"p{i}", [(7 * i + j) % 500 + 3 for j in range(chunk)], 0, pages.tables(chunk))
+                             for i in range(b)])
+        decode = StepBatch([SeqStep(f"d{i}", [(5 * i) % 500 + 3], context, pages.tables(context + 1))
+                            for i in range(b)])
+        t_pre, t_dec = time_step(runner, prefill, iters), time_step(runner, decode, iters)
+        rows.append(dict(model=name, batch=b, chunk=chunk, context=context, prefill_ms=t_pre * 1e3,
+                         prefill_tps=b * chunk / t_pre, decode_ms=t_dec * 1e3, decode_tps=b / t_dec))
+        runner.free_pools()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=None, help="conf/model names (default: the tiny models)")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--context", type=int, default=256, help="tokens already cached when a decode step runs")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = args.models or (["qwen3_tiny"] + (["dsv4_tiny"] if importlib.util.find_spec("npu.deepseek_v4") else []))
+    rows = [r for m in models for r in bench_model(m, args.batch_sizes, args.prompt_len, args.context, args.iters)]
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"machine: {machine()}")
+    print(f"median of {args.iters} steps after 2 warm-up steps\n")
+    print("| model | batch | prefill tokens/seq | prefill step ms | prefill tok/s | decode context | decode step ms "
+          "| decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['batch']} | {r['chunk']} | {r['prefill_ms']:.2f} | {r['prefill_tps']:,.0f} | "
+              f"{r['context']} | {r['decode_ms']:.2f} | {r['decode_tps']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Device backends: which accelerator to run on, and a memory probe per device.
+
+A Backend answers, per device: total and free memory, the peak allocated since the last reset, and
+(for accelerators) memory outside torch's allocator that grew since the backend was created. The
+launcher resets the peak once weights and scratch pools are in place, runs one profiling step, and
+turns what the probes say into each device's peak non-KV memory for the pure planner.
+
+    npu   Ascend through torch_npu (imported lazily; only this backend needs it)
+    cuda  NVIDIA through torch.cuda
+    cpu   the host; total = device.memory_bytes_per_device or /proc/meminfo MemAvailable, and the peak
+          comes from AllocationTracker (below), because torch keeps no allocator statistics on CPU
+    fake  NPU-sized numbers on any machine (tests, planning dry runs): same startup code, no device
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger("npu.backends")
+
+MEMINFO = "/proc/meminfo"
+NPU_INSTALL_HINT = ("install the torch-npu package (pip install '.[npu]') on a host with the Ascend CANN toolkit "
+                    "installed and sourced (set_env.sh)")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested device kind (or count) is not available on this machine."""
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """One device's memory as the probe sees it, in bytes."""
+
+    total_bytes: int
+    free_bytes: int
+    peak_allocated_bytes: int      # highest bytes held by this process's tensors since the last reset_peak
+    non_torch_bytes: int = 0       # growth of device memory outside torch's allocator since the backend started
+
+
+class Backend(ABC):
+    """One device kind with `count` devices used by this process."""
+
+    kind: str = ""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def device_name(self, index: int) -> str:
+        return f"{self.kind}:{index}"
+
+    @abstractmethod
+    def torch_device(self, index: int = 0) -> torch.device:
+        """The torch device tensors of device `index` live on."""
+
+    @abstractmethod
+    def memory(self, index: int = 0) -> MemoryStats:
+        ...
+
+    @abstractmethod
+    def reset_peak(self, index: int | None = None) -> None:
+        """Start a new peak window on one device (None: every device)."""
+
+    def synchronize(self, index: int | None = None) -> None:
+        """Wait for queued device work, so timings and peaks are complete."""
+
+    def tracking(self) -> contextlib.AbstractContextManager:
+        """Context in which allocations must be observed for the peak to be right (CPU needs it)."""
+        return contextlib.nullcontext()
+
+    def empty_cache(self) -> None:
+        """Return cached, unused blocks to the device (before a retry of a failed allocation)."""
+
+    def _indices(self, index: int | None) -> range:
+        if index is None:
+            return range(self.count)
+        if not 0 <= index < self.count:
+            raise IndexError(f"{self.kind} backend has {self.count} device(s); no device {index}")
+        return range(index, index + 1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(count={self.count})"
+
+
+# -- accelerators (npu, cuda) -------------------------------------------------------------------------
+
+class _AcceleratorBackend(Backend):
+    """Shared by npu and cuda: torch.npu mirrors torch.cuda's memory API."""
+
+    def __init__(self, module: Any, count: int, memory_bytes_per_device: int | None = None):
+        super().__init__(count)
+        self.mod = module
+        self.memory_cap = memory_bytes_per_device
+        self._non_torch_base = [self._non_torch_now(i) for i in range(count)]
+        if memory_bytes_per_device is not None:
+            for i in range(count):
+                physical = self.mod.mem_get_info(i)[1]
+                if memory_bytes_per_device > physical:
+                    raise BackendUnavailableError(
+                        f"device.memory_bytes_per_device {memory_bytes_per_device:,} exceeds {self.device_name(i)}'s "
+                        f"physical memory {physical:,}")
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device(self.kind, index)
+
+    def _non_torch_now(self, index: int) -> int:
+        free, total = self.mod.mem_get_info(index)
+        return (total - free) - self.mod.memory_reserved(index)
+
+    def memory(self, index: int = 0) -> MemoryStats:
+        self._indices(index)
+        free, total = self.mod.mem_get_info(index)
+        if self.memory_cap is not None:
+            total, free = self.memory_cap, min(free, self.memory_cap)
+        grown = max(0, self._non_torch_now(index) - self._non_torch_base[index])
+        return MemoryStats(total, free, self.mod.max_memory_allocated(index), grown)
+
+    def reset_peak(self, index: int | None = None) -> None:
+        for i in self._indices(index):
+            self.mod.reset_peak_memory_stats(i)
+
+    def synchronize(self, index: int | None = None) -> None:
+        for i in self._indices(index):
+            self.mod.synchronize(i)
+
+    def empty_cache(self) -> None:
+        self.mod.empty_cache()
+
+
+class CudaBackend(_AcceleratorBackend):
+    kind = "cuda"
+
+    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("device.kind=cuda but torch.cuda.is_available() is False "
+                                          f"(torch {torch.__version__} is {'a CPU-only build' if torch.version.cuda is None else 'built for CUDA ' + torch.version.cuda}); "
+                                          "install a CUDA build of torch or use device=cpu")
+        super().__init__(torch.cuda, _resolve_count("cuda", count, torch.cuda.device_count()), memory_bytes_per_device)
+
+
+def import_torch_npu() -> Any:
+    """torch_npu, imported only when an NPU is asked for; a missing install names what to install."""
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable ({exc}): "
+                                      f"{NPU_INSTALL_HINT}") from exc
+    return torch.npu  # type: ignore[attr-defined]
+
+
+class NpuBackend(_AcceleratorBackend):
+    kind = "npu"
+
+    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
+        mod = import_torch_npu()
+        if not mod.is_available():
+            raise BackendUnavailableError("torch_npu is installed but no NPU is visible (torch.npu.is_available() "
+                                          "is False): check the driver, ASCEND_RT_VISIBLE_DEVICES and npu-smi")
+        super().__init__(mod, _resolve_count("npu", count, mod.device_count()), memory_bytes_per_device)
+
+
+def _resolve_count(kind: str, wanted: int | None, visible: int) -> int:
+    if visible < 1:
+        raise BackendUnavailableError(f"no {kind} device is visible")
+    if wanted is None:
+        return visible
+    if wanted > visible:
+        raise BackendUnavailableError(f"device.count={wanted} but only {visible} {kind} device(s) are visible")
+    return wanted
+
+
+# -- cpu ----------------------------------------------------------------------------------------------
+
+class AllocationTracker(TorchDispatchMode):
+    """Peak bytes of live CPU tensors, observed from inside torch's dispatcher.
+
+    torch has no allocator statistics on CPU, so while this mode is active it sees every op:
+    - storages an op *allocates* count from allocation until torch frees them (a weakref finalizer);
+    - storages that already existed and an op *reads or writes* (weights, KV pools, inputs) are adopted:
+      they count as resident for the whole window, once each (views share a storage).
+    peak = resident bytes adopted + the highest live bytes of allocated storages.
+    A model's forward touches all of its weights, so after one profiling step the peak is weights +
+    pools touched + the activation high-water mark. Buffers a kernel allocates internally and frees
+    before returning are not seen; they are small next to activations. Not thread-safe (one window
+    per thread), and only CPU tensors are counted.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in dynamo.disable, importing torch._dynamo (seconds) on the
+        # first op; nothing here is compiled, so skip that.
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[int, int]] = {}     # storage data_ptr -> (nbytes, token)
+        self._resident: dict[int, int] = {}            # storage data_ptr -> nbytes
+        self._tokens = itertools.count()
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self._resident.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.peak_live_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_live_bytes = self.live_bytes
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that existed before the window (e.g. weights) as resident."""
+        for t in tensors:
+            self._adopt(t)
+
+    def _adopt(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            return
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key and key not in self._live and key not in self._resident:
+            self._resident[key] = s.nbytes()
+
+    def _allocated(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            return
+        s = t.untyped_storage()
+        key, nbytes = s.data_ptr(), s.nbytes()
+        if not key or key in self._live or key in self._resident:
+            return
+        token = next(self._tokens)
+        self._live[key] = (nbytes, token)
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        weakref.finalize(s, self._freed, key, token)
+
+    def _freed(self, key: int, token: int) -> None:
+        entry = self._live.get(key)
+        if entry is not None and entry[1] == token:
+            del self._live[key]
+            self.live_bytes -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [x for x in tree_flatten((args, kwargs or {}))[0] if isinstance(x, torch.Tensor)]
+        for t in inputs:
+            self._adopt(t)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._allocated(t)
+        return out
+
+
+def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
+    """/proc/meminfo in bytes (the file states kB)."""
+    values: dict[str, int] = {}
+    with open(path) as fh:
+        for line in fh:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                values[name.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return values
+
+
+class CpuBackend(Backend):
+    """The host as one device. Peak is tracked by AllocationTracker inside `tracking()` windows."""
+
+    kind = "cpu"
+
+    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None,
+                 meminfo_path: str = MEMINFO):
+        if count not in (None, 1):
+            raise BackendUnavailableError(f"device.count={count}: the cpu backend has exactly one device")
+        super().__init__(1)
+        self.memory_cap = memory_bytes_per_device
+        self.meminfo_path = meminfo_path
+        self._tracker: AllocationTracker | None = None
+        self._last_peak = 0
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        self._indices(index)
+        return torch.device("cpu")
+
+    def _available(self) -> int:
+        info = read_meminfo(self.meminfo_path)
+        if "MemAvailable" not in info:
+            raise BackendUnavailableError(f"{self.meminfo_path} has no MemAvailable line; "
+                                          "set device.memory_bytes_per_device")
+        return info["MemAvailable"]
+
+    def memory(self, index: int = 0) -> MemoryStats:
+        self._indices(index)
+        available = self._available()
+        total = self.memory_cap if self.memory_cap is not None else available
+        peak = self._tracker.peak_bytes if self._tracker is not None else self._last_peak
+        return MemoryStats(total, min(total, available), peak)
+
+    def reset_peak(self, index: int | None = None) -> None:
+        self._indices(index)
+        if self._tracker is not None:
+            self._tracker.reset_peak()
+        self._last_peak = 0
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[AllocationTracker]:
+        tracker = AllocationTracker()
+        self._tracker = tracker
+        try:
+            with tracker:
+                yield tracker
+        finally:
+            self._last_peak = tracker.peak_bytes
+            self._tracker = None
+
+
+# -- fake ---------------------------------------------------------------------------------------------
+
+class FakeMemoryProbe:
+    """Scripted per-device memory: totals, free, and the allocator peak a profiling step would report."""
+
+    def __init__(self, count: int, total_bytes: int | Sequence[int], peak_bytes: int | Sequence[int] = 0,
+                 free_bytes: int | Sequence[int] | None = None):
+        def per_device(v: int | Sequence[int], what: str) -> list[int]:
+            vals = [int(v)] * count if isinstance(v, int) else [int(x) for x in v]
+            if len(vals) != count:
+                raise ValueError(f"{what}: {len(vals)} values for {count} devices")
+            return vals
+
+        self.count = count
+        self.total = per_device(total_bytes, "total_bytes")
+        self.peak = per_device(peak_bytes, "peak_bytes")
+        self.free = per_device(free_bytes, "free_bytes") if free_bytes is not None else list(self.total)
+
+    def stats(self, index: int) -> MemoryStats:
+        return MemoryStats(self.total[index], self.free[index], self.peak[index])
+
+
+class FakeBackend(Backend):
+    """A backend whose memory numbers come from a FakeMemoryProbe; tensors live on `tensor_device`.
+
+    Lets NPU-sized startups (e.g. 16 x 64 GiB with a per-device peak) run the real launcher on a CPU;
+    pair it with a shape-only runner on the meta device so nothing is really allocated.
+    """
+
+    def __init__(self, probe: FakeMemoryProbe, kind: str = "npu", tensor_device: str | torch.device = "meta"):
+        super().__init__(probe.count)
+        self.kind = kind
+        self.probe = probe
+        self._device = torch.device(tensor_device)
+        self.resets = 0
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        self._indices(index)
+        return self._device
+
+    def memory(self, index: int = 0) -> MemoryStats:
+        self._indices(index)
+        return self.probe.stats(index)
+
+    def reset_peak(self, index: int | None = None) -> None:
+        self._indices(index)
+        self.resets += 1
+
+
+# -- selection ----------------------------------------------------------------------------------------
+
+def _npu_visible() -> tuple[bool, str]:
+    try:
+        mod = import_torch_npu()
+    except BackendUnavailableError:
+        return False, "torch_npu is not installed"
+    try:
+        n = mod.device_count() if mod.is_available() else 0
+    except Exception as exc:  # a broken driver must not stop the fallback to cuda/cpu
+        return False, f"torch_npu failed to list devices ({exc})"
+    return (n > 0), (f"{n} NPU(s) visible" if n else "torch_npu is installed but no NPU is visible")
+
+
+def select_backend(device: Any) -> Backend:
+    """The backend for rc.device: an explicit kind, or auto = npu, then cuda, then cpu (logged with why)."""
+    kind, count, cap = device.kind, device.count, device.memory_bytes_per_device
+    if getattr(device, "offline", False):
+        raise BackendUnavailableError("this device profile is an offline planning profile (device.offline=true); "
+                                      "it can only be used with mode=plan or mode=validate")
+    if kind == "npu":
+        return NpuBackend(count, cap)
+    if kind == "cuda":
+        return CudaBackend(count, cap)
+    if kind == "cpu":
+        return CpuBackend(count, cap)
+    if kind != "auto":
+        raise BackendUnavailableError(f"device.kind={kind!r}: must be one of auto, cpu, cuda, npu")
+    npu_ok, npu_why = _npu_visible()
+    if npu_ok:
+        log.info("device=auto chose npu: %s", npu_why)
+        return NpuBackend(count, cap)
+    cuda_n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_n:
+        log.info("device=auto chose cuda: %s; %d CUDA device(s) visible", npu_why, cuda_n)
+        return CudaBackend(count, cap)
+    cuda_why = "torch.cuda.is_available() is False" if torch.version.cuda else "torch is a CPU-only build"
+    log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,
+             f"device.memory_bytes_per_device={cap:,}" if cap else f"MemAvailable of {MEMINFO}")
+    return CpuBackend(None if count is None else count, cap)

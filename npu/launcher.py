@@ -1,0 +1,238 @@
+"""Startup: backend -> runner -> weights -> one profiling step -> measured memory -> plan -> pools -> report.
+
+    runner, report = launch(rc)
+
+1. select the backend (device=auto: npu, then cuda, then cpu);
+2. build the runner for model.arch (registry below, imported lazily);
+3. load weights (timed);
+4. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run the largest
+   step the config allows (max_num_batched_tokens over min(max_num_seqs, ...) sequences; deepseek_v4
+   caps a sequence's step at layout.tokens_in_flight), and read each device's probe;
+   peak_non_kv = peak allocated + non-torch growth - the scratch pools (the planner counts scratch itself);
+5. appliance.planner.plan_capacity on those numbers (the same function mode=plan calls);
+6. allocate every group's pool (plan blocks + decode_batch scratch pages); on an allocation failure free
+   everything and re-plan one slot fewer (num_slots_override), until it fits;
+7. return the runner and a StartupReport of what was finally allocated.
+
+The planning half (`measure` on any backend, `plan_from`) runs unchanged with FakeBackend and
+ShapeOnlyRunner, so NPU-scale startups are tested on a CPU without allocating anything.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from appliance.config.runtime import ModelSpec, RuntimeConfig
+from appliance.planner import CapacityPlan, DeviceMemory, InsufficientMemoryError, plan_capacity
+from appliance.startup_report import StartupReport
+from npu.backends import Backend, select_backend
+from npu.runner import ModelRunner
+from npu.step import SeqStep, StepBatch
+
+log = logging.getLogger("npu.launcher")
+
+# arch -> (module, class); imported only when that arch is started.
+RUNNERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("npu.qwen3", "Qwen3Runner"),
+    "deepseek_v4": ("npu.deepseek_v4", "DeepseekV4Runner"),
+}
+
+
+def runner_class(arch: str) -> type[ModelRunner]:
+    if arch not in RUNNERS:
+        raise ValueError(f"model.arch={arch!r} has no runner; known: {sorted(RUNNERS)}")
+    module, name = RUNNERS[arch]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"the runner for model.arch={arch!r} ({module}.{name}) is not available: {exc}") from exc
+
+
+def build_runner(model: ModelSpec, device: torch.device) -> ModelRunner:
+    return runner_class(model.arch)(model, device)
+
+
+class ShapeOnlyRunner(ModelRunner):
+    """A model's cache groups and pools without its math: pools live on the meta device (no memory),
+    weights are skipped and a step returns meta logits. Plans NPU-scale startups on a laptop.
+
+    max_pool_bytes simulates a device whose allocator refuses pools larger than that (retry tests).
+    """
+
+    def __init__(self, model: ModelSpec, device: torch.device | str = "meta", max_pool_bytes: int | None = None):
+        super().__init__(model, torch.device(device))
+        self.max_pool_bytes = max_pool_bytes
+        self.allocation_attempts: list[dict[str, int]] = []
+
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {}
+
+    def load_weights(self) -> None:
+        pass
+
+    def allocate_pools(self, num_blocks, num_scratch: int) -> None:
+        self.allocation_attempts.append(dict(num_blocks))
+        if self.max_pool_bytes is not None:
+            need = sum((num_blocks[s.name] + num_scratch) * s.page_size_bytes for s in self.model.cache_groups)
+            if need > self.max_pool_bytes:
+                self.free_pools()
+                raise RuntimeError(f"simulated out of memory: pools need {need:,} B, the device gives "
+                                   f"{self.max_pool_bytes:,} B")
+        super().allocate_pools(num_blocks, num_scratch)
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        n = sum(1 for s in batch.seqs if s.sample)
+        return torch.zeros(n, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
+
+    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
+        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
+        seqs = []
+        for i in range(num_seqs):
+            length = max_num_tokens // num_seqs + (1 if i < max_num_tokens % num_seqs else 0)
+            tables = {}
+            for spec in self.model.cache_groups:
+                pages = spec.max_blocks_per_seq if spec.is_ring else math.ceil(length / spec.tokens_per_page)
+                tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
+            seqs.append(SeqStep(f"profile-{i}", [0] * length, 0, tables))
+        return StepBatch(seqs)
+
+
+def profile_shape(rc: RuntimeConfig) -> tuple[int, int]:
+    """(tokens, sequences) of the largest step the config allows."""
+    per_seq = rc.max_model_len
+    if rc.model.arch == "deepseek_v4" and rc.model.layout.tokens_in_flight:
+        per_seq = min(per_seq, rc.model.layout.tokens_in_flight)
+    num_seqs = max(1, min(rc.max_num_seqs, rc.max_num_batched_tokens))
+    return min(rc.max_num_batched_tokens, num_seqs * per_seq), num_seqs
+
+
+def pool_bytes(runner: ModelRunner) -> int:
+    return sum(t.numel() * t.element_size() for t in runner.pools.values())
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What startup measured: the planner's inputs per device, and how they were obtained."""
+
+    devices: tuple[DeviceMemory, ...]
+    peak_allocated_bytes: tuple[int, ...]   # probe peak per device (weights + scratch pools + activations)
+    non_torch_bytes: tuple[int, ...]
+    scratch_pool_bytes: int
+    profile_tokens: int
+    profile_seqs: int
+    load_seconds: float
+    profile_seconds: float
+
+
+def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> Measurement:
+    """Load weights, run one max-size step on scratch pages, and turn each device's probe into a DeviceMemory.
+
+    The runner lives on device 0; every device hosts a replica (a data-parallel rank), so a device's
+    peak_non_kv is the larger of its own probe and device 0's.
+    """
+    t0 = time.perf_counter()
+    runner.load_weights()
+    backend.synchronize()
+    load_s = time.perf_counter() - t0
+    log.info("weights loaded in %.2f s (%s)", load_s, weights_label(rc.model))
+
+    runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, rc.decode_batch)
+    scratch = pool_bytes(runner)
+    tokens, seqs = profile_shape(rc)
+    batch = runner.profile_batch(tokens, seqs)
+    t0 = time.perf_counter()
+    try:
+        backend.reset_peak()
+        with torch.inference_mode(), backend.tracking() as tracker:
+            if tracker is not None:
+                tracker.adopt(runner.pools.values())
+            runner.execute(batch)
+            backend.synchronize()
+        stats = [backend.memory(i) for i in range(backend.count)]
+    finally:
+        runner.free_pools()
+    profile_s = time.perf_counter() - t0
+    ref = stats[0].peak_allocated_bytes + stats[0].non_torch_bytes
+    devices = []
+    for i, s in enumerate(stats):
+        peak = max(s.peak_allocated_bytes + s.non_torch_bytes, ref) - scratch
+        devices.append(DeviceMemory(backend.device_name(i), s.total_bytes, s.free_bytes, max(0, peak)))
+    log.info("profiled %d tokens over %d sequences in %.2f s: peak non-KV %s", tokens, seqs, profile_s,
+             ", ".join(f"{d.name} {d.peak_non_kv_bytes:,} B" for d in devices[:4]) + (" ..." if len(devices) > 4 else ""))
+    return Measurement(tuple(devices), tuple(s.peak_allocated_bytes for s in stats),
+                       tuple(s.non_torch_bytes for s in stats), scratch, tokens, seqs, load_s, profile_s)
+
+
+def plan_from(rc: RuntimeConfig, devices: Sequence[DeviceMemory], num_slots_override: int | None = None) -> CapacityPlan:
+    """plan_capacity with the config's settings; num_slots_override (a retry) wins over the config's."""
+    return plan_capacity(
+        rc.model.cache_groups, devices, utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
+        max_model_len=rc.max_model_len, block_size=rc.block_size,
+        kv_cache_memory_bytes=rc.kv_cache.kv_cache_memory_bytes,
+        num_slots_override=num_slots_override if num_slots_override is not None else rc.kv_cache.num_slots_override)
+
+
+def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: CapacityPlan,
+             devices: Sequence[DeviceMemory]) -> tuple[CapacityPlan, int]:
+    """Allocate the plan's pools; on failure free everything and re-plan one slot fewer. Returns (plan, retries)."""
+    retries = 0
+    while True:
+        try:
+            runner.allocate_pools(plan.num_blocks, rc.decode_batch)
+            backend.synchronize()
+            return plan, retries
+        except (RuntimeError, MemoryError) as exc:
+            runner.free_pools()
+            gc.collect()
+            backend.empty_cache()
+            if plan.capacity_slots <= 1:
+                raise InsufficientMemoryError(
+                    f"allocating the KV-cache pools failed even at 1 slot on {backend.device_name(0)} "
+                    f"({plan.scratch_bytes + plan.bytes_per_slot:,} B): {exc}") from exc
+            retries += 1
+            log.warning("allocating %d slots failed (%s); freeing and retrying with %d", plan.capacity_slots,
+                        str(exc).splitlines()[0], plan.capacity_slots - 1)
+            plan = plan_from(rc, devices, num_slots_override=plan.capacity_slots - 1)
+
+
+def weights_label(model: ModelSpec) -> str:
+    return f"random (seed {model.weights_seed})" if model.weights == "random" else model.weights
+
+
+def launch(rc: RuntimeConfig, backend: Backend | None = None,
+          runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
+    """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists."""
+    backend = backend or select_backend(rc.device)
+    runner = runner or build_runner(rc.model, backend.torch_device(0))
+    log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
+    m = measure(rc, backend, runner)
+    plan = plan_from(rc, m.devices)
+    t0 = time.perf_counter()
+    plan, retries = allocate(rc, backend, runner, plan, m.devices)
+    alloc_s = time.perf_counter() - t0
+    notes = [
+        f"profiling step: {m.profile_tokens} tokens over {m.profile_seqs} sequences on scratch pages",
+        f"peak_non_kv = probe peak allocated + non-torch growth - scratch pools ({m.scratch_pool_bytes:,} B); "
+        f"{backend.device_name(0)} measured {m.peak_allocated_bytes[0]:,} B allocated at peak",
+    ]
+    if backend.count > 1:
+        notes.append(f"the runner was profiled on {backend.device_name(0)}; each device is planned with at least "
+                     "that peak (identical data-parallel replicas)")
+    if retries:
+        notes.append(f"pool allocation failed {retries} time(s); gave back {retries} slot(s)")
+    log.info("allocated %d slots (%s) in %.2f s", plan.capacity_slots,
+             ", ".join(f"{g.name}={g.num_blocks}" for g in plan.groups), alloc_s)
+    report = StartupReport(
+        model_name=rc.model.name, arch=rc.model.arch, device_kind=backend.kind, device_count=backend.count,
+        plan=plan, resolved_config_yaml=rc.resolved_yaml, weights=weights_label(rc.model),
+        load_seconds=m.load_seconds, profile_seconds=m.profile_seconds, allocate_seconds=alloc_s,
+        allocation_retries=retries, notes=tuple(notes))
+    return runner, report
