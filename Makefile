@@ -10,6 +10,10 @@ install:
 test:
 	$(PYTHON) -m pytest -q tests
 
+# Regenerate the gRPC stubs in appliance/api/ from protos/ (tests fail when they drift).
+proto:
+	$(PYTHON) -m appliance.api.generate
+
 bench:
 	$(PYTHON) bench/bench_plan_sweep.py
 

@@ -87,6 +87,7 @@ def main() -> None:
         _hydra_main()
     except SystemExit as exc:
         # Hydra exits 1 after printing a composition error (unknown key, bad type, unknown option).
-        if exc.code == 1 and not _task_started:
+        multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+        if exc.code == 1 and not _task_started and not multirun:
             raise SystemExit(EXIT_CONFIG) from None
         raise

@@ -411,6 +411,7 @@ def select_backend(device: Any) -> Backend:
         log.info("device=auto chose cuda: %s; %d CUDA device(s) visible", npu_why, cuda_n)
         return CudaBackend(count, cap)
     cuda_why = "torch.cuda.is_available() is False" if torch.version.cuda else "torch is a CPU-only build"
+    cpu_cap = cap if cap is not None else getattr(device, "cpu_memory_bytes", None)
     log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,
-             f"device.memory_bytes_per_device={cap:,}" if cap else f"MemAvailable of {MEMINFO}")
-    return CpuBackend(None if count is None else count, cap)
+             f"a budget of {cpu_cap:,} B" if cpu_cap else f"MemAvailable of {MEMINFO}")
+    return CpuBackend(None if count is None else count, cpu_cap)

@@ -45,7 +45,10 @@ def test_concurrent_equals_one_at_a_time(reference):
 
 def test_preemption_keeps_greedy_outputs(reference):
     name, batch, alone = reference
-    with Appliance.from_config(MODELS[name] + ["max_num_seqs=16", "kv_cache.num_slots_override=1"]) as app:
+    # Two slots at max_model_len 128: admission only reserves the first chunk, so the requests let in
+    # outgrow the full-history pools and the newest must be preempted.
+    small = MODELS[name] + ["max_model_len=128", "max_num_seqs=16", "kv_cache.num_slots_override=2"]
+    with Appliance.from_config(small) as app:
         results = app.generate(batch, greedy(24))
         preemptions = app.engine.scheduler.num_preemptions
         assert app.engine.kv_free_blocks() == app.engine.kv_total_blocks()

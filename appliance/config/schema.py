@@ -82,6 +82,7 @@ class DeviceConfig:
     kind: str = MISSING                    # auto | cpu | cuda | npu
     count: Optional[int] = None
     memory_bytes_per_device: Optional[int] = None
+    cpu_memory_bytes: Optional[int] = None  # auto falling back to the host CPU: its budget (null = MemAvailable)
     offline: bool = False                  # planning profile: no device is touched
 
 

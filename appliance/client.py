@@ -1,0 +1,231 @@
+"""Python and command-line client of the appliance's gRPC API.
+
+    python -m appliance.client "Hello"                     # stream a completion to the terminal
+    python -m appliance.client --startup                   # print the startup report
+    python -m appliance.client --health                    # print the health status
+
+    with ApplianceClient("127.0.0.1:50051") as c:
+        for delta in c.generate("Hello", max_tokens=32):   # RequestOutput deltas, last one has finish_reason
+            print(delta.new_text, end="")
+
+A blocking (sync) client: one call is one stream, and closing the generate() iterator cancels the call,
+which aborts the request in the engine. No torch, no Hydra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from appliance.api import appliance_pb2 as pb
+from appliance.api import appliance_pb2_grpc as pb_grpc
+from appliance.request import FinishReason, RequestOutput, Usage
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+TOKEN_ENV = "APPLIANCE_AUTH_TOKEN"
+_FINISH = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+}
+
+
+def to_output(msg: pb.GenerateResponse) -> RequestOutput:
+    """A GenerateResponse as the engine's RequestOutput, so gRPC and offline results compare directly."""
+    usage = None
+    if msg.HasField("usage"):
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
+    return RequestOutput(request_id=msg.request_id, new_token_ids=tuple(msg.token_ids), new_text=msg.text,
+                         finish_reason=_FINISH.get(msg.finish_reason), usage=usage)
+
+
+def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+                     top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    if top_p is not None:
+        msg.top_p = top_p
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def generate_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling_message(**sampling))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class ApplianceClient:
+    """One channel to one server. TLS when root_cert is given (or tls=True for the system roots)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
+                 root_cert: str | Path | bytes | None = None, tls: bool = False, server_name: str | None = None,
+                 max_message_bytes: int = 16 * 1024 * 1024):
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if root_cert is not None or tls:
+            roots = root_cert if isinstance(root_cert, (bytes, type(None))) else Path(root_cert).read_bytes()
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.address = address
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = pb_grpc.ApplianceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def startup(self, timeout: float | None = None) -> pb.StartupResponse:
+        """The startup report; waits while the server starts, up to timeout (then DEADLINE_EXCEEDED)."""
+        return self.stub.Startup(pb.StartupRequest(), timeout=timeout, metadata=self.metadata)
+
+    def generate(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
+                 **sampling) -> Iterator[RequestOutput]:
+        """Stream the deltas of one request. Sampling keywords: max_tokens, temperature, top_p, top_k, seed,
+        stop, stop_token_ids, ignore_eos. Closing the iterator early cancels the call (the server aborts it)."""
+        call = self.stub.Generate(generate_request(prompt, request_id, **sampling), timeout=timeout,
+                                  metadata=self.metadata)
+        try:
+            for msg in call:
+                yield to_output(msg)
+        finally:
+            call.cancel()      # no-op once the stream completed
+
+    def complete(self, prompt: str | Sequence[int], **kw) -> tuple[list[int], str, RequestOutput]:
+        """Run one request to the end: (token ids, text, last delta)."""
+        ids: list[int] = []
+        text: list[str] = []
+        last = None
+        for last in self.generate(prompt, **kw):
+            ids.extend(last.new_token_ids)
+            text.append(last.new_text)
+        return ids, "".join(text), last
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """SERVING | NOT_SERVING | SERVICE_UNKNOWN | UNKNOWN for the overall server ("") or one service."""
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_until_serving(self, timeout: float = 60.0, poll_s: float = 0.1) -> None:
+        deadline = time.monotonic() + timeout
+        last = "unreachable"
+        while time.monotonic() < deadline:
+            try:
+                last = self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(poll_s)
+        raise TimeoutError(f"{self.address} not SERVING after {timeout} s (last: {last})")
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "ApplianceClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- command line --------------------------------------------------------------------------------------
+
+def startup_text(r: pb.StartupResponse) -> str:
+    """The Startup response as terminal tables (mirrors the server's startup printout)."""
+    from appliance.report import format_table, gib
+    history = {pb.HISTORY_KIND_RING: "ring", pb.HISTORY_KIND_FULL: "full"}
+    devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"],
+                           [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.peak_non_kv_bytes),
+                             gib(d.usable_bytes), gib(d.budget_bytes), gib(d.headroom_bytes)) for d in r.devices])
+    groups = format_table(
+        ["group", "history", "layers", "rows/block", "page bytes", "blocks/seq", "num_blocks", "bytes", "share"],
+        [(g.name, history.get(g.history, "?"), g.layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq,
+          g.num_blocks, g.total_bytes, g.share_of_budget) for g in r.cache_groups])
+    lines = [
+        f"model {r.model_name} ({r.arch})   weights {r.weights}   device {r.device_kind} x {r.device_count}",
+        f"npu_memory_utilization {r.npu_memory_utilization:g}   decode_batch {r.decode_batch}   "
+        f"block_size {r.block_size}   max_model_len {r.max_model_len}",
+        devices, "", groups, "",
+        f"limiting device {r.limiting_device}: budget {r.budget_bytes:,} B = scratch {r.scratch_bytes:,} B + "
+        f"{r.capacity_slots} slots x {r.bytes_per_slot:,} B + unused",
+        f"capacity_slots {r.capacity_slots}   KV tokens {r.kv_tokens_per_device:,} per device   "
+        f"max concurrency {r.max_concurrency}" + (f"   override {r.override}" if r.override else ""),
+    ]
+    return "\n".join(lines + [f"note: {n}" for n in r.notes])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m appliance.client", description=__doc__.split("\n\n")[0])
+    p.add_argument("prompt", nargs="?", help="prompt text to complete (streamed to stdout)")
+    p.add_argument("--startup", action="store_true", help="print the startup report and exit")
+    p.add_argument("--health", action="store_true", help="print the health status and exit")
+    p.add_argument("--yaml", action="store_true", help="with --startup: also print the resolved config YAML")
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (server default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                   help=f"bearer token (default ${TOKEN_ENV})")
+    p.add_argument("--tls-root-cert", default=None, help="PEM root certificate: connect with TLS")
+    p.add_argument("--tls", action="store_true", help="connect with TLS using the system roots")
+    p.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not (args.startup or args.health or args.prompt is not None):
+        build_parser().error("give a prompt, --startup or --health")
+    client = ApplianceClient(args.address, token=args.token, root_cert=args.tls_root_cert, tls=args.tls,
+                             server_name=args.tls_server_name)
+    try:
+        if args.health:
+            print(client.health(timeout=args.timeout))
+        if args.startup:
+            report = client.startup(timeout=args.timeout)
+            print(startup_text(report))
+            if args.yaml:
+                print(report.resolved_config_yaml)
+        if args.prompt is not None:
+            last = None
+            for last in client.generate(args.prompt, timeout=args.timeout, max_tokens=args.max_tokens,
+                                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos):
+                sys.stdout.write(last.new_text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if last is not None and last.usage is not None:
+                u = last.usage
+                print(f"[{last.finish_reason.value}: prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
+                      f"cached prompt {u.cached_prompt_tokens} tokens]", file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
