@@ -252,31 +252,33 @@ class Engine:
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append a sampled token, apply stop rules, stream the delta. True when the sequence finished."""
         p = seq.params
-        seq.output_token_ids.append(token)
-        eos = self.tokenizer.eos_token_id
-        if token == eos and not p.ignore_eos:
+        seq.append_token(token)
+        if token == self.tokenizer.eos_token_id and not p.ignore_eos:
             seq.finish_reason = FinishReason.EOS
         elif token in p.stop_token_ids:
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.rc.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        shown = seq.output_token_ids[:-1] if seq.finish_reason in (FinishReason.EOS, FinishReason.STOP) \
-            else seq.output_token_ids
-        seq.text = self.tokenizer.decode(shown)
-        if p.stop:
-            hits = [(seq.text.find(s), s) for s in p.stop if s in seq.text]
-            if hits:
-                cut, _ = min(hits)
-                seq.text = seq.text[:cut]
-                seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):   # those tokens add no text
+            if seq.detokenizer is None:
+                seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)
+            delta = seq.detokenizer.push(token)
+            seq.text += delta
+            if p.stop:
+                # Only the new text, plus what a stop string could straddle, can hold a new match.
+                longest = max(len(s) for s in p.stop)
+                start = max(0, len(seq.text) - len(delta) - longest + 1)
+                hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+                if hits:
+                    seq.text = seq.text[:min(hits)]
+                    seq.finish_reason = FinishReason.STOP
         if seq.finish_reason is not None:
-            new_text = seq.text[seq.num_text_emitted:]
-            self._finish(seq, seq.finish_reason, [token], new_text)
+            self._finish(seq, seq.finish_reason, [token], seq.text[seq.num_text_emitted:])
             return True
-        # Hold back an incomplete UTF-8 character and any tail that may still become a stop string.
-        visible = len(seq.text.rstrip("\ufffd"))
+        # Hold back a tail that may still become a stop string.
+        visible = len(seq.text)
         if p.stop:
-            visible = min(visible, len(seq.text) - max(len(s) for s in p.stop) + 1)
+            visible -= max(len(s) for s in p.stop) - 1
         new_text = seq.text[seq.num_text_emitted:max(visible, seq.num_text_emitted)]
         seq.num_text_emitted += len(new_text)
         seq.emit([token], new_text)

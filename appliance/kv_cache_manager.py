@@ -236,20 +236,35 @@ class KvCacheManager:
             raise ValueError(f"request {request_id!r}: num_computed_tokens {num_computed_tokens} must lie between "
                              f"the computed {seq.num_computed} and the allocated {seq.num_reserved} tokens")
         seq.num_computed = num_computed_tokens
-        if not self.enable_prefix_caching:
-            return
         full_blocks = num_computed_tokens // self.block_size
-        if full_blocks <= seq.num_registered_blocks:
-            return
-        extend_block_hashes(seq.hashes, seq.tokens, self.block_size, full_blocks)
+        if self.enable_prefix_caching and full_blocks > seq.num_registered_blocks:
+            extend_block_hashes(seq.hashes, seq.tokens, self.block_size, full_blocks)
+            pools = self._pools[seq.partition]
+            for s in self.specs:
+                per_block = self.block_size // s.tokens_per_page
+                for logical in range(seq.num_registered_blocks * per_block, full_blocks * per_block):
+                    page = seq.page_at(s, logical)
+                    if page is not None:
+                        pools[s.name].register((seq.hashes[logical // per_block], logical % per_block), page)
+            seq.num_registered_blocks = full_blocks
+        self._release_stale_ring_pages(seq)
+
+    def _release_stale_ring_pages(self, seq: _Seq) -> None:
+        """Give back ring pages behind the live tail: no later step reads them (cached ones stay evictable).
+
+        A decoding request then holds only the pages its window or compressor span needs, not all
+        max_blocks_per_seq slots, so short requests can run beyond capacity_slots at once.
+        """
         pools = self._pools[seq.partition]
         for s in self.specs:
-            per_block = self.block_size // s.tokens_per_page
-            for logical in range(seq.num_registered_blocks * per_block, full_blocks * per_block):
-                page = seq.page_at(s, logical)
-                if page is not None:
-                    pools[s.name].register((seq.hashes[logical // per_block], logical % per_block), page)
-        seq.num_registered_blocks = full_blocks
+            if not s.is_ring:
+                continue
+            first_live = s.live_logical_pages(seq.num_computed).start
+            table, logical_of = seq.tables[s.name], seq.slot_logical[s.name]
+            for slot, logical in enumerate(logical_of):
+                if 0 <= logical < first_live:
+                    pools[s.name].release(table[slot])
+                    table[slot], logical_of[slot] = -1, -1
 
     def free(self, request_id: str) -> bool:
         """Release everything the request holds (cached pages become evictable). False if it held nothing."""

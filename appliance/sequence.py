@@ -23,6 +23,8 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step (read every step)
+        self.detokenizer = None            # set by the engine: turns each new token into a text delta
         self.params = params
         self.on_output = on_output
         self.arrival = next(_arrival)
@@ -38,11 +40,16 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + outputs (a live list: read it, do not change it)."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -280,10 +280,14 @@ class CpuBackend(Backend):
     kind = "cpu"
 
     def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None,
-                 meminfo_path: str = MEMINFO):
+                 meminfo_path: str = MEMINFO, threads: int | None = None):
         if count not in (None, 1):
             raise BackendUnavailableError(f"device.count={count}: the cpu backend has exactly one device")
         super().__init__(1)
+        if threads is not None:
+            # Tiny kernels lose more to thread hand-offs than they gain, and a server shares the host with
+            # its clients; the operator picks the intra-op thread count (device.cpu_threads).
+            torch.set_num_threads(threads)
         self.memory_cap = memory_bytes_per_device
         self.meminfo_path = meminfo_path
         self._tracker: AllocationTracker | None = None
@@ -399,7 +403,7 @@ def select_backend(device: Any) -> Backend:
     if kind == "cuda":
         return CudaBackend(count, cap)
     if kind == "cpu":
-        return CpuBackend(count, cap)
+        return CpuBackend(count, cap, threads=getattr(device, "cpu_threads", None))
     if kind != "auto":
         raise BackendUnavailableError(f"device.kind={kind!r}: must be one of auto, cpu, cuda, npu")
     npu_ok, npu_why = _npu_visible()
@@ -414,4 +418,4 @@ def select_backend(device: Any) -> Backend:
     cpu_cap = cap if cap is not None else getattr(device, "cpu_memory_bytes", None)
     log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,
              f"a budget of {cpu_cap:,} B" if cpu_cap else f"MemAvailable of {MEMINFO}")
-    return CpuBackend(None if count is None else count, cpu_cap)
+    return CpuBackend(None if count is None else count, cpu_cap, threads=getattr(device, "cpu_threads", None))

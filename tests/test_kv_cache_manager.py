@@ -123,41 +123,45 @@ def test_full_groups_grow_append_only_and_ring_tables_have_one_entry_per_slot():
             assert len(grown[s.name]) == math.ceil(40 / s.tokens_per_page)
 
 
-def test_ring_slot_mapping_and_reuse():
+def test_ring_slot_mapping_and_release_behind_the_tail():
     m = dsv4_tiny(enable_prefix_caching=False)
     csa = group(DSV4_TINY, "csa_state")
     mbps, tpp = csa.max_blocks_per_seq, csa.tokens_per_page
+    total = m.num_total_blocks("csa_state")
     tokens = list(range(200))
-    n = mbps * tpp                                   # exactly fills every slot
+    n = mbps * tpp                                   # a tile this long in flight fills every slot
     m.allocate("a", tokens, n)
+    tile = m.block_tables("a")["csa_state"]
+    assert -1 not in tile and len(set(tile)) == mbps
     m.commit("a", n)
-    before = m.block_tables("a")["csa_state"]
-    assert -1 not in before and len(set(before)) == mbps
-    free = m.num_free_blocks("csa_state")
-    m.allocate("a", tokens, 1)                       # logical page mbps -> slot 0 is reused
-    after = m.block_tables("a")["csa_state"]
-    assert after[1:] == before[1:]
-    assert after[0] != before[0]                     # a fresh page; the old one is released
-    assert m.page_refcount("csa_state", before[0]) == 0
-    assert m.num_free_blocks("csa_state") == free    # one released, one taken
-    assert m.take_new_pages()["csa_state"][-1] == after[0]
-    # keep decoding: a new logical page L changes exactly slot L % mbps (to a fresh page), nothing else
-    done, prev = n + 1, after
-    m.commit("a", done)
+    # After the step only the live tail stays held, in the same slots and pages.
+    held = m.block_tables("a")["csa_state"]
+    live = csa.live_logical_pages(n)
+    assert {slot for slot in range(mbps) if held[slot] >= 0} == {lg % mbps for lg in live}
+    assert all(held[lg % mbps] == tile[lg % mbps] for lg in live)
+    assert m.num_free_blocks("csa_state") == total - len(live)
     m.take_new_pages()
+    # Decode: logical page L lives in slot L % mbps on one page for as long as it is live; new pages are
+    # announced once; pages behind the tail go back to the pool.
+    done, page_of = n, {lg: held[lg % mbps] for lg in live}
     for _ in range(3 * tpp * mbps):
         m.allocate("a", tokens, 1)
-        done += 1
         table = m.block_tables("a")["csa_state"]
-        changed = {slot for slot in range(mbps) if table[slot] != prev[slot]}
         new_pages = m.take_new_pages()["csa_state"]
-        if done % tpp == 1:                          # token done - 1 starts logical page (done - 1) // tpp
-            assert changed == {(done - 1) // tpp % mbps} and new_pages == [table[(done - 1) // tpp % mbps]]
-            assert table[(done - 1) // tpp % mbps] not in prev
+        writing = done // tpp
+        if done % tpp == 0:                          # this token starts a new logical page
+            assert new_pages == [table[writing % mbps]] and table[writing % mbps] not in page_of.values()
         else:
-            assert not changed and not new_pages
+            assert not new_pages
+        for lg in list(csa.live_logical_pages(done)) + [writing]:
+            assert table[lg % mbps] == page_of.setdefault(lg, table[lg % mbps])
+        done += 1
         m.commit("a", done)
-        prev = table
+        live = csa.live_logical_pages(done)
+        held = m.block_tables("a")["csa_state"]
+        assert {slot for slot in range(mbps) if held[slot] >= 0} == {lg % mbps for lg in live}
+        assert m.num_free_blocks("csa_state") == total - len(live)
+        page_of = {lg: p for lg, p in page_of.items() if lg in live}
 
 
 def test_step_larger_than_the_ring_is_rejected():
@@ -181,7 +185,7 @@ def test_capacity_error_lists_need_and_free_per_group_and_allocates_nothing():
     tokens = list(range(100))
     m.allocate("a", tokens, 32)
     m.commit("a", 32)
-    m.allocate("a", tokens, 32)                      # ori (4 pages in all) now fully held by "a"
+    m.allocate("a", tokens, 32)                      # ori (4 pages): page 0 went back, pages 1-3 held by "a"
     free = {s.name: m.num_free_blocks(s.name) for s in DSV4_TINY.model.cache_groups}
     tables = m.block_tables("a")
     assert not m.can_allocate("b", 32)
@@ -191,7 +195,7 @@ def test_capacity_error_lists_need_and_free_per_group_and_allocates_nothing():
     for s in DSV4_TINY.model.cache_groups:
         need = math.ceil(32 / s.tokens_per_page)
         assert f"{s.name}: need {need}, free {free[s.name]}" in msg
-    assert info.value.need["ori"] == 2 and info.value.free["ori"] == 0
+    assert info.value.need["ori"] == 2 and info.value.free["ori"] == 1
     assert {s.name: m.num_free_blocks(s.name) for s in DSV4_TINY.model.cache_groups} == free
     assert m.block_tables("a") == tables and not m.has_request("b")
     m.free("a")
@@ -322,7 +326,7 @@ def test_grouped_hit_must_be_valid_in_every_group():
             live = s.live_logical_pages(48)
             held = {slot: p for slot, p in enumerate(tables_c[s.name]) if p >= 0}
             assert set(held) == {lg % s.max_blocks_per_seq for lg in live}
-            assert all(tables_a[s.name][slot] == p for slot, p in held.items())
+            assert all(m.is_cached_page(s.name, p) for p in held.values())   # "a" gave them back to the cache
         else:
             assert tables_c[s.name] == tables_a[s.name][:48 // s.tokens_per_page]
     m.free("c")

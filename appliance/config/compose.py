@@ -141,6 +141,7 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     c.positive_int("device.count", dev.count, optional=True)
     c.positive_int("device.memory_bytes_per_device", dev.memory_bytes_per_device, optional=True)
     c.positive_int("device.cpu_memory_bytes", dev.cpu_memory_bytes, optional=True)
+    c.positive_int("device.cpu_threads", dev.cpu_threads, optional=True)
     if dev.offline:
         c.check(dev.count is not None, "device.count", dev.count, "an offline planning profile must give a device count")
         c.check(dev.memory_bytes_per_device is not None, "device.memory_bytes_per_device",

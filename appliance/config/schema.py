@@ -83,6 +83,7 @@ class DeviceConfig:
     count: Optional[int] = None
     memory_bytes_per_device: Optional[int] = None
     cpu_memory_bytes: Optional[int] = None  # auto falling back to the host CPU: its budget (null = MemAvailable)
+    cpu_threads: Optional[int] = None      # torch intra-op threads when the host CPU is the device (null = torch default)
     offline: bool = False                  # planning profile: no device is touched
 
 
