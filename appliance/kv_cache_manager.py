@@ -61,6 +61,7 @@ class _Seq:
         self.hashes: list[bytes] = []
         self.num_computed = 0       # tokens whose cache entries are written (match_prefix / commit)
         self.num_reserved = 0       # tokens that have pages (allocate)
+        self.tokens_covered = 0     # tokens the assigned pages reach in every group (decode fast path)
         self.num_cached = 0         # prefix-hit tokens
         self.num_registered_blocks = 0
 
@@ -190,6 +191,12 @@ class KvCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         created = request_id not in self._seqs
         seq = self._seqs[request_id] if not created else self._add_seq(request_id)
+        target = seq.num_computed + num_new_tokens
+        if not created and target <= seq.tokens_covered and target <= len(token_ids):
+            # Most decode steps: every group's current page still has room; nothing to assign.
+            seq.tokens.extend(token_ids[len(seq.tokens):])
+            seq.num_reserved = max(seq.num_reserved, target)
+            return {s.name: [] for s in self.specs}
         try:
             if len(token_ids) < len(seq.tokens):
                 raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to "
@@ -227,6 +234,7 @@ class KvCacheManager:
             seq.num_pages[s.name] = max(seq.num_pages[s.name], new.stop)
             queued[s.name].extend(added[s.name])
         seq.num_reserved = max(seq.num_reserved, target)
+        seq.tokens_covered = min(seq.num_pages[s.name] * s.tokens_per_page for s in self.specs)
         return added
 
     def commit(self, request_id: str, num_computed_tokens: int) -> None:
@@ -397,7 +405,7 @@ class KvCacheManager:
                 else:
                     table.append(page)
             seq.num_pages[s.name] = blocks * self.block_size // s.tokens_per_page
-        seq.num_computed = seq.num_reserved = seq.num_cached = blocks * self.block_size
+        seq.num_computed = seq.num_reserved = seq.num_cached = seq.tokens_covered = blocks * self.block_size
         seq.num_registered_blocks = blocks
 
     def _least_loaded(self) -> int:
