@@ -79,4 +79,5 @@ def startup_report_table(report) -> str:
             f"allocate {report.allocate_seconds:.2f} s")
     if report.allocation_retries:
         head += f"; allocation retried {report.allocation_retries} time(s) with fewer slots"
-    return capacity_plan_table(report.plan, title=f"startup report: {head}")
+    notes = "".join(f"\nnote: {n}" for n in report.notes)
+    return capacity_plan_table(report.plan, title=f"startup report: {head}") + notes

@@ -120,12 +120,6 @@ def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     return out
 
 
-def startup_table(report: StartupReport) -> str:
-    """The startup report for the terminal: model/device header, capacity plan table, notes."""
-    from appliance.report import startup_report_table
-    return startup_report_table(report) + "".join(f"\nnote: {n}" for n in report.notes)
-
-
 # -- auth ----------------------------------------------------------------------------------------------
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -357,7 +351,7 @@ class ApplianceServer:
         from appliance.cli import write_result
         self.report = report if report is not None else self.engine.report
         self.startup_message = startup_response(self.report)
-        print(startup_table(self.report), flush=True)
+        # The engine has logged the capacity table (Hydra's job logging shows it on the terminal).
         path = write_result("startup_report.json", self.report.to_dict())
         if path:
             print(f"startup report written to {path}", flush=True)
