@@ -1,22 +1,25 @@
 """Qwen3 over one paged KV group, in plain torch; Hugging Face parameter names, so HF checkpoints load as is.
 
 Pool "kv": [pages, num_layers, block_size, 2 * kv_heads * head_dim], each row K then V of one token.
-A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP;
-attention then runs as
-- one batched decode path for all 1-token sequences: K/V gathered from the pool through flat row
-  indices (one embedding lookup per layer), masked SDPA with the query heads of a KV head as the
-  query axis (GQA without repeating K/V);
-- per-sequence prefill: causal SDPA on the chunk's own K/V when it starts at 0, else over K/V gathered
-  from the pool (cached prefix + chunk) with an offset causal mask.
+A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP:
+decode tokens first, then prefill chunks. Everything shared by the layers (token rows in the pool,
+rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Attention:
+- decode rows, batched: per layer the pages of their contexts are gathered (one index_select into a
+  reused buffer), then one SDPA with a kv head's query heads as the query axis (GQA without repeating
+  K/V), masked only where contexts differ. Rows of very different lengths are split into a few buckets
+  by context length, so short contexts are not padded to the longest one;
+- chunks from position 0: causal SDPA on their own K/V, one call for all chunks of equal length;
+- a chunk after cached tokens (a later chunk, a prefix-cache hit): SDPA over its gathered pages with an
+  offset causal mask.
 Row indices come from the pool tensor's strides at each step, so no pool size is baked in anywhere.
 """
 
 from __future__ import annotations
 
+import array
 import logging
-import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +66,6 @@ def check_kv_group(model: ModelSpec) -> CacheGroupSpec:
     return spec
 
 
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean mask -> 0 / -inf; SDPA on CPU is faster with an additive mask than a boolean one."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
 class Qwen3Runner(ModelRunner):
     """Qwen3ForCausalLM (dense) on paged KV; logits of the last token of each sampled sequence."""
 
@@ -87,8 +85,9 @@ class Qwen3Runner(ModelRunner):
         self.lm_head: torch.Tensor | None = None
         self._inv_freq = 1.0 / (lay.rope_theta ** (
             torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(self.device, torch.float32) / self.head_dim))
-        self._cos = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
-        self._sin = self._cos
+        self._rope_table = torch.empty(0, 2, self.head_dim, device=self.device, dtype=self.dtype)
+        self._kv_buf = torch.empty(0, device=self.device)     # reused by _gather
+        self._cols = torch.arange(256, device=self.device)    # sliced by _arange
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -158,16 +157,40 @@ class Qwen3Runner(ModelRunner):
                     layer.post_norm, layer.gate_up, layer.down]
         return out
 
+    # -- pools -------------------------------------------------------------------------------------
+    def free_pools(self) -> None:
+        super().free_pools()
+        self._kv_buf = torch.empty(0, device=self.device)     # the gather workspace goes with the pools
+
     # -- rope --------------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if max_pos >= self._cos.shape[0]:
-            n = max(2 * self._cos.shape[0], max_pos + 1, 256)
+        """cos and signed sin of each position, [n, 1, head_dim] each: one lookup per step for all layers."""
+        if max_pos >= self._rope_table.shape[0]:
+            n = max(2 * self._rope_table.shape[0], max_pos + 1, 256)
             freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), self._inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             # rotate_half(x) * sin == swap_halves(x) * (-sin | sin): one flip instead of slices, neg and cat
             signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), signed.to(self.dtype)
-        return self._cos[positions], self._sin[positions]
+            self._rope_table = torch.stack((emb.cos(), signed), dim=1).to(self.dtype)   # [n, 2, head_dim]
+        cos, sin = self._rope_table.index_select(0, positions).unsqueeze(2).unbind(1)
+        return cos, sin
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device, a slice of a cached tensor (masks and row offsets are built from it)."""
+        if self._cols.numel() < n:
+            self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
+        return self._cols[:n]
+
+    def _gather(self, pool: torch.Tensor, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Rows of `pages` for one layer, [len(pages) * block_size, width], copied into a buffer reused across
+        layers and steps (a fresh multi-MB tensor per layer costs more in page faults on CPU than the copy)."""
+        src = pool.select(1, layer)                    # [num_pages, block_size, width], strided
+        numel = pages.numel() * src.shape[1] * src.shape[2]
+        if self._kv_buf.numel() < numel or self._kv_buf.dtype != src.dtype:
+            self._kv_buf = torch.empty(numel, dtype=src.dtype, device=self.device)
+        out = torch.index_select(src, 0, pages, out=self._kv_buf[:numel].view(pages.numel(), *src.shape[1:]))
+        out = out.view(-1, src.shape[2])
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # -- step --------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,8 +199,7 @@ class Qwen3Runner(ModelRunner):
             raise RuntimeError("Qwen3Runner.execute before load_weights()/set_weights()")
         if KV not in self.pools:
             raise RuntimeError("Qwen3Runner.execute before allocate_pools()")
-        seqs = batch.seqs
-        if not seqs:
+        if not batch.seqs:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
         pool = self.pools[KV]
         if not pool.is_contiguous():
@@ -185,66 +207,48 @@ class Qwen3Runner(ModelRunner):
         width = pool.shape[-1]
         rows = pool.view(-1, width)
         page_stride, layer_stride, row_stride = (s // width for s in pool.stride()[:3])
-        meta = _StepMeta.build(seqs, self.block_size, pool.shape[0], self.device)
-        positions = meta.positions
-        base = meta.page_of_token * page_stride + (positions % self.block_size) * row_stride
-        cos, sin = self._rope(positions, meta.max_pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-
-        dec = meta.decode
-        if dec is not None:
-            ar = torch.arange(dec.max_ctx, device=self.device)
-            ctx_pages = dec.tables[:, ar // self.block_size]
-            dec_base = (ctx_pages * page_stride + (ar % self.block_size) * row_stride).reshape(-1)
-            dec_mask = _additive_mask((ar < dec.ctx[:, None]).view(len(dec.ctx), 1, 1, dec.max_ctx), self.dtype)
-        for p in meta.prefills:
-            if p.start > 0:  # a later chunk (or a prefix-cache hit): attend over the cached rows too
-                ar = torch.arange(p.ctx, device=self.device)
-                p.ctx_rows = p.table[ar // self.block_size] * page_stride + (ar % self.block_size) * row_stride
-                p.mask = _additive_mask(p.causal_mask(self.device), self.dtype)
+        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[0], page_stride, row_stride,
+                               self._arange, self.dtype, self.device)
+        # pool row of every token's K/V, per layer: [layers, tokens]
+        writes = meta.write_rows + self._arange(len(self.layers))[:, None] * layer_stride
+        cos, sin = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
-        pure_decode = dec is not None and not meta.prefills      # decode tokens are then tokens 0..n-1
         x = F.embedding(meta.tokens, self.embed)
         for li, layer in enumerate(self.layers):
-            r = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-            qkv = F.linear(r, layer.qkv)
-            # q and k heads are normalised and rotated together: [n, nh + kvh, hd]
-            qk = F.rms_norm(qkv[:, :(nh + kvh) * hd].view(n, nh + kvh, hd), (hd,), eps=self.eps) * layer.qk_norm
-            qk = qk * cos + qk.view(n, nh + kvh, 2, hd // 2).flip(2).view(n, nh + kvh, hd) * sin
-            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, (nh + kvh) * hd:]
-            off = li * layer_stride
-            rows.index_copy_(0, base + off, torch.cat([k.reshape(n, kvh * hd), v], dim=-1).to(rows.dtype))
-            attn = None if pure_decode else torch.empty(n, nh, hd, device=self.device, dtype=self.dtype)
-            if dec is not None:
-                b = len(dec.ctx)
-                kv_rows = F.embedding(dec_base + off, rows).view(b, dec.max_ctx, 2, kvh, hd).to(self.dtype)
-                kd, vd = kv_rows.permute(2, 0, 3, 1, 4).unbind(0)         # [b, kvh, ctx, hd] each
-                qd = q if pure_decode else q.index_select(0, dec.token_index)
-                od = F.scaled_dot_product_attention(qd.view(b, kvh, self.group_size, hd), kd, vd, attn_mask=dec_mask)
-                if pure_decode:
-                    attn = od.reshape(n, nh, hd)
-                else:
-                    attn.index_copy_(0, dec.token_index, od.reshape(b, nh, hd))
+            qkv = F.linear(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps), layer.qkv)
+            # q and k heads are normalised and rotated together, back into qkv: it then holds q | k | v
+            qk = qkv[:, :(nh + kvh) * hd].view(n, nh + kvh, hd)
+            t = F.rms_norm(qk, (hd,), eps=self.eps).mul_(layer.qk_norm)
+            swapped = t.view(n, nh + kvh, 2, hd // 2).flip(2).view(n, nh + kvh, hd)
+            torch.add(t.mul_(cos), swapped.mul_(sin), out=qk)
+            rows.index_copy_(0, writes[li], qkv[:, nh * hd:].to(rows.dtype))
+            q = qkv[:, :nh * hd].view(n, nh, hd)
+            parts = []                                 # attention output of rows 0..n-1, in order
+            for d in meta.decodes:                     # decode rows come first in the flat batch
+                kv = self._gather(pool, li, d.pages).view(d.count, -1, 2, kvh, hd)[:, :d.ctx]
+                kd, vd = kv.permute(2, 0, 3, 1, 4)     # [count, kvh, ctx, hd] each
+                qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
+                parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
             for p in meta.prefills:
-                qp = q[p.first:p.first + p.length].transpose(0, 1).unsqueeze(0)   # [1, nh, len, hd]
-                if p.ctx_rows is None:
-                    kp = k[p.first:p.first + p.length].transpose(0, 1).unsqueeze(0)
-                    vp = v[p.first:p.first + p.length].view(p.length, kvh, hd).transpose(0, 1).unsqueeze(0)
+                chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
+                qp = chunk[:, :, :nh].transpose(1, 2)  # [count, nh, len, hd]
+                if p.pages is None:                    # from position 0: the chunks' own K/V are the context
+                    kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 else:
-                    kv_rows = F.embedding(p.ctx_rows + off, rows).view(p.ctx, 2, kvh, hd).to(self.dtype)
-                    kp, vp = kv_rows.permute(1, 2, 0, 3).unsqueeze(1).unbind(0)   # [1, kvh, ctx, hd] each
+                    kp, vp = self._gather(pool, li, p.pages)[:p.ctx].view(1, p.ctx, 2, kvh, hd).permute(2, 0, 3, 1, 4)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
-                attn[p.first:p.first + p.length] = op[0].transpose(0, 1)
-            x = x + F.linear(attn.view(n, nh * hd), layer.o)
-            r = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate, up = F.linear(r, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        if meta.sample_index.numel() == 0:
+                parts.append(op.transpose(1, 2).reshape(p.count * p.length, nh, hd))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + F.linear(attn.reshape(n, nh * hd), layer.o)
+            gate, up = F.linear(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate).mul_(up), layer.down)
+        if meta.sample_index is not None:
+            x = x.index_select(0, meta.sample_index)
+        if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-        last = F.rms_norm(x.index_select(0, meta.sample_index), (self.hidden,), self.norm, self.eps)
-        return F.linear(last, self.lm_head).float()
+        return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
 
     # -- profiling ---------------------------------------------------------------------------------
     def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
@@ -264,57 +268,81 @@ class Qwen3Runner(ModelRunner):
         return StepBatch(seqs)
 
 
+
 @dataclass
 class _Prefill:
-    first: int                 # index of its first token in the flat batch
+    """Chunks of more than one token at rows first..first+count*length-1 of the flat batch: either `count`
+    chunks of equal length from position 0 (attending to their own K/V, one causal call for all), or one
+    chunk after cached tokens (a later chunk or a prefix-cache hit), attending to its pages in the pool."""
+
+    first: int
+    count: int
     length: int
-    start: int                 # tokens already cached
-    table: torch.Tensor        # [pages] physical page ids
-    ctx_rows: torch.Tensor | None = None   # start > 0: pool row of every context token (layer 0)
-    mask: torch.Tensor | None = None       # start > 0: [length, ctx] offset causal mask
-
-    @property
-    def ctx(self) -> int:
-        return self.start + self.length
-
-    def causal_mask(self, device: torch.device) -> torch.Tensor:
-        """[length, ctx]: token i of the chunk sees cached tokens and chunk tokens up to itself."""
-        q_pos = torch.arange(self.start, self.ctx, device=device)
-        return torch.arange(self.ctx, device=device)[None, :] <= q_pos[:, None]
+    pages: torch.Tensor | None = None  # cached chunk: page ids covering its context
+    ctx: int = 0                       # cached chunk: tokens in its context, the chunk included
+    mask: torch.Tensor | None = None   # cached chunk: [length, ctx] additive offset-causal mask
 
 
 @dataclass
 class _Decode:
-    token_index: torch.Tensor  # [b] flat index of each decode token
-    tables: torch.Tensor       # [b, max pages] page ids, padded with 0 (masked out)
-    ctx: torch.Tensor          # [b] context length including this token
-    max_ctx: int
+    """1-token sequences at rows first..first+count-1 of the flat batch, attended to as one padded batch."""
+
+    first: int
+    count: int
+    pages: torch.Tensor        # [count * width] page ids, row by row, padded with page 0
+    ctx: int                   # columns attended to: the longest context in the bucket
+    mask: torch.Tensor | None  # [count, 1, 1, ctx] additive, row i sees columns 0..position_i; None: all equal
+
+
+# Padding (token rows) a separate decode bucket must save to pay for its own gather and attention call;
+# measured with the tiny model on CPU, where one call costs about as much as attending over 1k token rows.
+SPLIT_MIN_SAVING = 1024
+
+
+def decode_buckets(widths: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split decode rows, sorted by decreasing width (pages), into [start, end) buckets, each padded to its
+    first row's width. A new bucket starts where the width has at least halved (so there are few buckets)
+    and the padding it saves, (bucket width - width) x remaining rows, is worth SPLIT_MIN_SAVING tokens."""
+    out, start = [], 0
+    for i, w in enumerate(widths):
+        top = widths[start]
+        if 2 * w <= top and (len(widths) - i) * (top - w) * block_size >= SPLIT_MIN_SAVING:
+            out.append((start, i))
+            start = i
+    out.append((start, len(widths)))
+    return out
+
+
+def _causal_mask(cols: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(positions), len(cols)] additive mask, 0 where col <= position else -inf (SDPA on CPU is faster
+    with an additive mask than a boolean one)."""
+    disallowed = cols[None, :] > positions[:, None]
+    return torch.zeros(disallowed.shape, dtype=dtype, device=cols.device).masked_fill_(disallowed, float("-inf"))
 
 
 @dataclass
 class _StepMeta:
-    """Flat token batch and per-sequence index data for one step, built once and shared by all layers."""
+    """Flat token batch (decode tokens first, then prefill chunks) and index data, built once per step.
+
+    Integer fields are computed on the host in plain Python and converted as one tensor through
+    array.array (torch.tensor(list) is several times slower), which also makes one host-to-device copy
+    on accelerators; page ids are range-checked there by one min/max."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    page_of_token: torch.Tensor
-    sample_index: torch.Tensor
+    write_rows: torch.Tensor           # pool row (layer 0) of each token's K/V
+    sample_index: torch.Tensor | None  # flat rows to sample, in batch order; None: every row, in order
     num_tokens: int
     max_pos: int
-    decode: _Decode | None
+    decodes: list[_Decode]             # buckets of decode rows by context length, in flat order
     prefills: list[_Prefill]
 
     @staticmethod
-    def build(seqs: list[SeqStep], block_size: int, num_pages: int, device: torch.device) -> "_StepMeta":
-        tokens: list[int] = []
-        positions: list[int] = []
-        pages: list[int] = []
-        sample: list[int] = []
-        dec_tok: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_ctx: list[int] = []
-        prefills: list[_Prefill] = []
-        for s in seqs:
+    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, row_stride: int,
+              arange: Callable[[int], torch.Tensor], dtype: torch.dtype, device: torch.device) -> "_StepMeta":
+        dec: list[tuple[int, SeqStep, list[int]]] = []     # (index in batch, seq, pages covering its context)
+        chunks: list[tuple[int, SeqStep, list[int]]] = []
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n == 0:
                 raise ValueError(f"request {s.request_id}: a step needs at least one token")
@@ -323,27 +351,66 @@ class _StepMeta:
             if table is None or len(table) * block_size < end:
                 raise ValueError(f"request {s.request_id}: block table {KV!r} covers "
                                  f"{0 if table is None else len(table) * block_size} tokens, the step needs {end}")
-            if any(not 0 <= p < num_pages for p in table[: math.ceil(end / block_size)]):
-                raise ValueError(f"request {s.request_id}: page id out of range [0, {num_pages}) in {table}")
-            first = len(tokens)
-            tokens.extend(s.token_ids)
-            positions.extend(range(s.start_pos, end))
-            pages.extend(table[p // block_size] for p in range(s.start_pos, end))
-            if s.sample:
-                sample.append(first + n - 1)
-            if n == 1:
-                dec_tok.append(first)
-                dec_tables.append(table[: math.ceil(end / block_size)])
-                dec_ctx.append(end)
+            (dec if n == 1 else chunks).append((i, s, table[:-(-end // block_size)]))
+        # Flat order: decode rows (by decreasing context when that splits them into buckets), then chunks
+        # from position 0 by length (equal lengths share one attention call), then chunks after cached tokens.
+        buckets = [(0, len(dec))] if dec else []
+        if len(dec) > 1 and max(len(e[2]) for e in dec) >= 2 * min(len(e[2]) for e in dec):   # else no split
+            by_width = sorted(dec, key=lambda e: -len(e[2]))
+            split = decode_buckets([len(e[2]) for e in by_width], block_size)
+            if len(split) > 1:
+                dec, buckets = by_width, split
+        chunks.sort(key=lambda e: (e[1].start_pos > 0, 0 if e[1].start_pos else len(e[1].token_ids)))
+
+        tokens = [s.token_ids[0] for _, s, _ in dec]
+        positions = [s.start_pos for _, s, _ in dec]
+        rows = [used[-1] * page_stride + s.start_pos % block_size * row_stride for _, s, used in dec]
+        last_row = [0] * len(seqs)              # flat row of each sequence's last token
+        for r, (i, _, _) in enumerate(dec):
+            last_row[i] = r
+        pages: list[int] = []
+        widths = []
+        for lo, hi in buckets:
+            widths.append(max(len(used) for _, _, used in dec[lo:hi]))
+            for _, _, used in dec[lo:hi]:
+                pages += used
+                pages += [0] * (widths[-1] - len(used))
+        for i, s, used in chunks:
+            end = s.start_pos + len(s.token_ids)
+            tokens += s.token_ids
+            positions += range(s.start_pos, end)
+            rows += [used[p // block_size] * page_stride + p % block_size * row_stride for p in range(s.start_pos, end)]
+            pages += used
+            last_row[i] = len(tokens) - 1
+        sample = [last_row[i] for i, s in enumerate(seqs) if s.sample]
+        n = len(tokens)
+        all_rows = len(sample) == n and sample == list(range(n))   # then no index_select at the end
+        host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)
+        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(pages)]))
+        if lo < 0 or hi >= num_pages:           # one check per step; name the culprit only on failure
+            bad = next(s for _, s, used in dec + chunks if not 0 <= min(used) <= max(used) < num_pages)
+            raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "
+                             f"in {bad.block_tables[KV]}")
+        t_tok, t_pos, t_rows, t_pages, t_sample = host.to(device).split([n, n, n, len(pages), len(sample)])
+
+        decodes, at = [], 0
+        for (lo, hi), width in zip(buckets, widths):
+            first, last = min(positions[lo:hi]), max(positions[lo:hi])
+            mask = None
+            if first != last:
+                mask = _causal_mask(arange(last + 1), t_pos[lo:hi], dtype).view(hi - lo, 1, 1, -1)
+            decodes.append(_Decode(lo, hi - lo, t_pages[at:at + (hi - lo) * width], last + 1, mask))
+            at += (hi - lo) * width
+        prefills: list[_Prefill] = []
+        for i, s, used in chunks:
+            length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+            first = last_row[i] - length + 1
+            if s.start_pos > 0:
+                mask = _causal_mask(arange(end), t_pos[first:first + length], dtype)
+                prefills.append(_Prefill(first, 1, length, t_pages[at:at + len(used)], end, mask))
+            elif prefills and prefills[-1].pages is None and prefills[-1].length == length:
+                prefills[-1].count += 1
             else:
-                prefills.append(_Prefill(first, n, s.start_pos, torch.tensor(table, dtype=torch.long, device=device)))
-        decode = None
-        if dec_tok:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            decode = _Decode(torch.tensor(dec_tok, dtype=torch.long, device=device),
-                             torch.tensor(padded, dtype=torch.long, device=device),
-                             torch.tensor(dec_ctx, dtype=torch.long, device=device), max(dec_ctx))
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return _StepMeta(as_long(tokens), as_long(positions), as_long(pages), as_long(sample), len(tokens),
-                         max(positions), decode, prefills)
+                prefills.append(_Prefill(first, 1, length))
+            at += len(used)
+        return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills)

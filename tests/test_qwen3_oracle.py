@@ -150,3 +150,75 @@ def test_mismatched_cache_group_is_rejected():
     narrow = dataclasses.replace(model.cache_groups[0], row_width=32)
     with pytest.raises(ValueError, match="row.width must be 2 x num_kv_heads x head_dim = 64"):
         Qwen3Runner(dataclasses.replace(model, cache_groups=(narrow,)), "cpu")
+
+
+def _prefill_alone(runner, prompts, first_page=0):
+    """Prefill each prompt in a step of its own on consecutive pages; returns each sequence's page table."""
+    tables, page = [], first_page
+    for i, prompt in enumerate(prompts):
+        n = -(-(len(prompt) + 1) // runner.block_size)      # room for one decode token
+        tables.append(list(range(page, page + n)))
+        page += n
+        runner.execute(StepBatch([SeqStep(f"s{i}", list(prompt), 0, {"kv": tables[-1]}, sample=False)]))
+    return tables
+
+
+def test_decode_rows_of_very_different_lengths_match_each_alone(runner):
+    """A decode batch whose contexts differ a lot is split into buckets and reordered; each sampled row
+    must equal the same decode step run alone (which has one row and no padding)."""
+    from npu.qwen3 import decode_buckets
+    lengths = [3, 300, 17, 150, 40, 299, 5, 90, 260, 1, 33, 180]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+    runner.allocate_pools({"kv": 128}, 1)
+    tables = _prefill_alone(runner, prompts)
+    widths = sorted((-(-(n + 1) // runner.block_size) for n in lengths), reverse=True)
+    assert len(decode_buckets(widths, runner.block_size)) > 1, "the batch must exercise several buckets"
+    steps = [SeqStep(f"s{i}", [rng.randrange(3, 512)], len(p), {"kv": t}, sample=i % 3 != 1)
+             for i, (p, t) in enumerate(zip(prompts, tables))]
+    together = runner.execute(StepBatch(steps))
+    alone = [runner.execute(StepBatch([dataclasses.replace(s, sample=True)]))[0] for s in steps if s.sample]
+    assert together.shape == (len(alone), runner.model.layout.vocab_size)
+    for row, ref in zip(together, alone):
+        assert (row - ref).abs().max().item() < 1e-5
+
+
+def test_prefill_chunks_in_one_step_match_each_alone(runner):
+    """Chunks from position 0 of equal length share one attention call; with chunks of other lengths, a
+    chunk after cached tokens and decode rows in the same step, each must equal its step run alone."""
+    rng = random.Random(8)
+    cached = [rng.randrange(3, 512) for _ in range(21)]
+    runner.allocate_pools({"kv": 64}, 1)
+    (t_cached, t_dec) = _prefill_alone(runner, [cached[:13], [5, 6, 7]])
+    t_cached = t_cached + [60, 61]                           # room for the second chunk
+    steps, page = [], 20
+    for i, n in enumerate([16, 7, 16, 30, 7, 16]):
+        pages = -(-n // runner.block_size)
+        steps.append(SeqStep(f"f{i}", [rng.randrange(3, 512) for _ in range(n)], 0,
+                             {"kv": list(range(page, page + pages))}, sample=i != 2))
+        page += pages
+    steps.insert(2, SeqStep("later", cached[13:], 13, {"kv": t_cached}))
+    steps.insert(5, SeqStep("dec", [9], 3, {"kv": t_dec}))
+    together = runner.execute(StepBatch(steps))
+    alone = [runner.execute(StepBatch([s]))[0] for s in steps if s.sample]
+    assert together.shape == (len(alone), runner.model.layout.vocab_size)
+    for row, ref in zip(together, alone):
+        assert (row - ref).abs().max().item() < 1e-5
+
+
+def test_decode_buckets_split_where_the_width_halves_and_padding_pays():
+    from npu.qwen3 import SPLIT_MIN_SAVING, decode_buckets
+    assert decode_buckets([4, 4, 4], 16) == [(0, 3)]
+    # 16-token pages: at width 6 the widest is 19 >= 2 x 6, and 7 rows x 13 pages x 16 = 1456 >= 1024 tokens;
+    # after that no row halves 6 with enough rows left (at width 3: 6 x 3 x 16 = 288).
+    assert SPLIT_MIN_SAVING == 1024
+    assert decode_buckets([19, 19, 17, 12, 10, 6, 3, 3, 2, 1, 1, 1], 16) == [(0, 5), (5, 12)]
+    assert decode_buckets([19, 19, 17, 12, 10, 6, 3, 3, 2, 1, 1, 1], 1) == [(0, 12)]   # 1-token pages: too little
+
+
+def test_page_id_out_of_range_is_a_clear_error(runner):
+    runner.allocate_pools({"kv": 4}, 1)
+    for bad in ([7], [-1]):
+        with pytest.raises(ValueError, match=r"request bad: page id out of range \[0, 5\)"):
+            runner.execute(StepBatch([SeqStep("ok", [1], 0, {"kv": [0]}),
+                                      SeqStep("bad", [1, 2], 0, {"kv": bad})]))
