@@ -89,11 +89,6 @@ class CacheGroupSpec:
             return range(0, end)
         return range(max(0, num_tokens - self.ring_history_tokens) // self.tokens_per_page, end)
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Pages a sequence of num_tokens tokens holds in this group (ring groups stop growing)."""
-        needed = math.ceil(num_tokens / self.tokens_per_page)
-        return min(needed, self.max_blocks_per_seq) if self.is_ring else needed
-
 
 def full_history_blocks(max_model_len: int, block_size: int) -> int:
     """Pages of an append-only group at max_model_len: one per block_size tokens."""

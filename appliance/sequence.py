@@ -56,11 +56,6 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        """True until every known token (prompt, and outputs after a preemption) is in the cache but the last."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
