@@ -10,9 +10,9 @@ install:
 test:
 	$(PYTHON) -m pytest -q tests
 
-# Regenerate the gRPC stubs in appliance/api/ from protos/ (tests fail when they drift).
+# Regenerate the gRPC stubs in appliance/serve/api/ from protos/ (tests fail when they drift).
 proto:
-	$(PYTHON) -m appliance.api.generate
+	$(PYTHON) -m appliance.serve.api.generate
 
 bench:
 	$(PYTHON) bench/bench_plan_sweep.py

@@ -6,7 +6,6 @@ and Hydra's composition errors (unknown key, bad type, unknown group option), wh
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from appliance.config import CONF_DIR, ConfigError, RuntimeConfig, compose_runtime_config
-from appliance.planner import InsufficientMemoryError
+from appliance.config.compose import CONF_DIR, compose_runtime_config
+from appliance.config.schema import register_schema
+from appliance.core.errors import ConfigError
+from appliance.core.planner import InsufficientMemoryError
+from appliance.modes.results import write_result
 
 EXIT_CONFIG = 2
 _task_started = False
@@ -32,44 +34,30 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def write_result(name: str, result: dict[str, Any]) -> Path | None:
-    """Write a job's structured result as JSON into its Hydra job directory."""
-    out = _output_dir()
-    if out is None:
-        return None
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / name
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return path
-
-
-def run_validate(rc: RuntimeConfig) -> dict[str, Any]:
-    from appliance.report import cache_group_table
-    print(rc.resolved_yaml)
-    print(f"== cache groups of {rc.model.name} ({rc.model.arch}) ==")
-    print(cache_group_table(rc.model.cache_groups, rc.max_model_len, rc.decode_batch))
-    return {"status": "ok", "mode": "validate"}
-
-
 def run_job(cfg: DictConfig) -> dict[str, Any]:
-    """Run one job; in a multirun a bad point is returned as a result with its reason instead of exiting."""
+    """Run one job; in a multirun a bad point is returned as a result with its reason instead of exiting.
+
+    Modes are imported only when chosen: validate and plan never load torch.
+    """
+    out = _output_dir()
     try:
         rc = compose_runtime_config(cfg)
         if rc.mode == "validate":
-            return run_validate(rc)
+            from appliance.modes.validate import run_validate
+            return run_validate(rc, out)
         if rc.mode == "plan":
-            from appliance.plan_mode import run_plan
-            return run_plan(rc)
+            from appliance.modes.plan import run_plan
+            return run_plan(rc, out)
         if rc.mode == "bench":
-            from appliance.bench_mode import run_bench
-            return run_bench(rc)
-        from appliance.server import serve
-        return serve(rc)
+            from appliance.modes.bench import run_bench
+            return run_bench(rc, out)
+        from appliance.serve.server import serve
+        return serve(rc, output_dir=out)
     except (ConfigError, InsufficientMemoryError) as exc:
         status = "invalid" if isinstance(exc, ConfigError) else "does_not_fit"
         print(f"error: {exc}", file=sys.stderr)
         result = {"status": status, "reason": str(exc)}
-        write_result("result.json", result)
+        write_result(out, "result.json", result)
         if _is_multirun():
             return result
         sys.exit(EXIT_CONFIG)
@@ -83,6 +71,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main() -> None:
+    register_schema()
     try:
         _hydra_main()
     except SystemExit as exc:

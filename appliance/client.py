@@ -24,50 +24,14 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from appliance.api import appliance_pb2 as pb
-from appliance.api import appliance_pb2_grpc as pb_grpc
-from appliance.request import FinishReason, RequestOutput, Usage
+from appliance.core.request import RequestOutput
+from appliance.core.tables import format_table, gib
+from appliance.serve.api import appliance_pb2 as pb
+from appliance.serve.api import appliance_pb2_grpc as pb_grpc
+from appliance.serve.convert import HISTORY_NAMES, generate_request, to_output
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 TOKEN_ENV = "APPLIANCE_AUTH_TOKEN"
-_FINISH = {
-    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    pb.FINISH_REASON_STOP: FinishReason.STOP,
-    pb.FINISH_REASON_EOS: FinishReason.EOS,
-    pb.FINISH_REASON_ABORTED: FinishReason.ABORTED,
-}
-
-
-def to_output(msg: pb.GenerateResponse) -> RequestOutput:
-    """A GenerateResponse as the engine's RequestOutput, so gRPC and offline results compare directly."""
-    usage = None
-    if msg.HasField("usage"):
-        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
-    return RequestOutput(request_id=msg.request_id, new_token_ids=tuple(msg.token_ids), new_text=msg.text,
-                         finish_reason=_FINISH.get(msg.finish_reason), usage=usage)
-
-
-def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
-                     top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
-                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    if max_tokens is not None:
-        msg.max_tokens = max_tokens
-    if top_p is not None:
-        msg.top_p = top_p
-    if seed is not None:
-        msg.seed = seed
-    return msg
-
-
-def generate_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, sampling=sampling_message(**sampling))
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(prompt)
-    return req
 
 
 class ApplianceClient:
@@ -148,14 +112,12 @@ class ApplianceClient:
 
 def startup_text(r: pb.StartupResponse) -> str:
     """The Startup response as terminal tables (mirrors the server's startup printout)."""
-    from appliance.report import format_table, gib
-    history = {pb.HISTORY_KIND_RING: "ring", pb.HISTORY_KIND_FULL: "full"}
     devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"],
                            [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.peak_non_kv_bytes),
                              gib(d.usable_bytes), gib(d.budget_bytes), gib(d.headroom_bytes)) for d in r.devices])
     groups = format_table(
         ["group", "history", "layers", "rows/block", "page bytes", "blocks/seq", "num_blocks", "bytes", "share"],
-        [(g.name, history.get(g.history, "?"), g.layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq,
+        [(g.name, HISTORY_NAMES.get(g.history, "?"), g.layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq,
           g.num_blocks, g.total_bytes, g.share_of_budget) for g in r.cache_groups])
     lines = [
         f"model {r.model_name} ({r.arch})   weights {r.weights}   device {r.device_kind} x {r.device_count}",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from appliance.config import RuntimeConfig, load_runtime_config
-from appliance.engine import Engine
-from appliance.request import CompletionResult, SamplingParams
-from appliance.startup_report import StartupReport
+from appliance.config.compose import load_runtime_config
+from appliance.core.config import RuntimeConfig
+from appliance.core.request import CompletionResult, SamplingParams
+from appliance.core.startup_report import StartupReport
+from appliance.engine.loop import Engine
 
 _ids = itertools.count()
 

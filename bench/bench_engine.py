@@ -9,7 +9,7 @@ Both sides load one tiny random Qwen3 checkpoint written here (npu.checkpoint.wr
 seed). Greedy, ignore_eos, and only the requested output tokens are counted on both sides.
 
 - engine: Appliance (weights = the checkpoint, device=cpu, pinned kv_cache.num_slots_override, every
-  request admitted at once); the workload is appliance.bench_mode.seeded_workload over bench.* overrides;
+  request admitted at once); the workload is appliance.modes.bench.seeded_workload over bench.* overrides;
   requests go through Engine.submit with a callback, as mode=bench does, so tokens are timestamped.
 - transformers: what a careful user does with `generate`: requests sorted by prompt length, cut into
   batches of --hf-batch (16 for mixed, 64 for scale), left padding with an attention mask,
@@ -42,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from appliance.bench_mode import seeded_workload  # noqa: E402
-from appliance.config import RuntimeConfig, load_runtime_config  # noqa: E402
+from appliance.config.compose import load_runtime_config
+from appliance.core.config import RuntimeConfig  # noqa: E402
+from appliance.core.request import SamplingParams  # noqa: E402
+from appliance.modes.bench import seeded_workload  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
-from appliance.request import SamplingParams  # noqa: E402
 from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
 
 SCALE_LAYOUT = [

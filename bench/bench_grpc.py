@@ -64,8 +64,8 @@ def workload(rc, n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def run_in_process(rc, work, warmup) -> Result:
-    from appliance.engine import Engine
-    from appliance.request import SamplingParams
+    from appliance.core.request import SamplingParams
+    from appliance.engine.loop import Engine
 
     engine = Engine(rc)
     engine.start()
@@ -104,8 +104,9 @@ def run_in_process(rc, work, warmup) -> Result:
 
 async def _streams(address: str, batch, name: str) -> Result:
     import grpc
-    from appliance.api import appliance_pb2_grpc as pb_grpc
-    from appliance.client import generate_request
+
+    from appliance.serve.api import appliance_pb2_grpc as pb_grpc
+    from appliance.serve.convert import generate_request
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.ApplianceStub(channel)
@@ -165,7 +166,7 @@ def main() -> None:
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)     # before torch is imported; the server inherits it
 
-    from appliance.config import load_runtime_config
+    from appliance.config.compose import load_runtime_config
     rc = load_runtime_config(args.overrides)
     n = args.requests or rc.bench.num_requests
     work = workload(rc, n, rc.bench.seed)

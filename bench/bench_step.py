@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from appliance.config import load_runtime_config  # noqa: E402
-from npu.launcher import build_runner  # noqa: E402
+from appliance.config.compose import load_runtime_config  # noqa: E402
+from npu.registry import build_runner  # noqa: E402
 from npu.step import SeqStep, StepBatch  # noqa: E402
 
 

@@ -9,22 +9,23 @@ turns what the probes say into each device's peak non-KV memory for the pure pla
     cuda  NVIDIA through torch.cuda
     cpu   the host; total = device.memory_bytes_per_device or /proc/meminfo MemAvailable, and the peak
           comes from AllocationTracker (below), because torch keeps no allocator statistics on CPU
-    fake  NPU-sized numbers on any machine (tests, planning dry runs): same startup code, no device
+
+npu.fake has a scripted backend with NPU-sized numbers (tests, planning dry runs); npu.cpu_memory has the
+allocation tracker that gives the CPU backend its peak.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from appliance.core.config import DeviceSettings
+from npu.cpu_memory import AllocationTracker
 
 log = logging.getLogger("npu.backends")
 
@@ -93,7 +94,7 @@ class Backend(ABC):
 
 # -- accelerators (npu, cuda) -------------------------------------------------------------------------
 
-class _AcceleratorBackend(Backend):
+class AcceleratorBackend(Backend):
     """Shared by npu and cuda: torch.npu mirrors torch.cuda's memory API."""
 
     def __init__(self, module: Any, count: int, memory_bytes_per_device: int | None = None):
@@ -136,7 +137,7 @@ class _AcceleratorBackend(Backend):
         self.mod.empty_cache()
 
 
-class CudaBackend(_AcceleratorBackend):
+class CudaBackend(AcceleratorBackend):
     kind = "cuda"
 
     def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
@@ -157,7 +158,7 @@ def import_torch_npu() -> Any:
     return torch.npu  # type: ignore[attr-defined]
 
 
-class NpuBackend(_AcceleratorBackend):
+class NpuBackend(AcceleratorBackend):
     kind = "npu"
 
     def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
@@ -179,88 +180,6 @@ def _resolve_count(kind: str, wanted: int | None, visible: int) -> int:
 
 
 # -- cpu ----------------------------------------------------------------------------------------------
-
-class AllocationTracker(TorchDispatchMode):
-    """Peak bytes of live CPU tensors, observed from inside torch's dispatcher.
-
-    torch has no allocator statistics on CPU, so while this mode is active it sees every op:
-    - storages an op *allocates* count from allocation until torch frees them (a weakref finalizer);
-    - storages that already existed and an op *reads or writes* (weights, KV pools, inputs) are adopted:
-      they count as resident for the whole window, once each (views share a storage).
-    peak = resident bytes adopted + the highest live bytes of allocated storages.
-    A model's forward touches all of its weights, so after one profiling step the peak is weights +
-    pools touched + the activation high-water mark. Buffers a kernel allocates internally and frees
-    before returning are not seen; they are small next to activations. Not thread-safe (one window
-    per thread), and only CPU tensors are counted.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch would wrap __torch_dispatch__ in dynamo.disable, importing torch._dynamo (seconds) on the
-        # first op; nothing here is compiled, so skip that.
-        return False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._live: dict[int, tuple[int, int]] = {}     # storage data_ptr -> (nbytes, token)
-        self._resident: dict[int, int] = {}            # storage data_ptr -> nbytes
-        self._tokens = itertools.count()
-        self.live_bytes = 0
-        self.peak_live_bytes = 0
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self._resident.values())
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.resident_bytes + self.peak_live_bytes
-
-    def reset_peak(self) -> None:
-        self.peak_live_bytes = self.live_bytes
-
-    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count tensors that existed before the window (e.g. weights) as resident."""
-        for t in tensors:
-            self._adopt(t)
-
-    def _adopt(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu":
-            return
-        s = t.untyped_storage()
-        key = s.data_ptr()
-        if key and key not in self._live and key not in self._resident:
-            self._resident[key] = s.nbytes()
-
-    def _allocated(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu":
-            return
-        s = t.untyped_storage()
-        key, nbytes = s.data_ptr(), s.nbytes()
-        if not key or key in self._live or key in self._resident:
-            return
-        token = next(self._tokens)
-        self._live[key] = (nbytes, token)
-        self.live_bytes += nbytes
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-        weakref.finalize(s, self._freed, key, token)
-
-    def _freed(self, key: int, token: int) -> None:
-        entry = self._live.get(key)
-        if entry is not None and entry[1] == token:
-            del self._live[key]
-            self.live_bytes -= entry[0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = [x for x in tree_flatten((args, kwargs or {}))[0] if isinstance(x, torch.Tensor)]
-        for t in inputs:
-            self._adopt(t)
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._allocated(t)
-        return out
-
 
 def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
     """/proc/meminfo in bytes (the file states kB)."""
@@ -329,55 +248,6 @@ class CpuBackend(Backend):
             self._tracker = None
 
 
-# -- fake ---------------------------------------------------------------------------------------------
-
-class FakeMemoryProbe:
-    """Scripted per-device memory: totals, free, and the allocator peak a profiling step would report."""
-
-    def __init__(self, count: int, total_bytes: int | Sequence[int], peak_bytes: int | Sequence[int] = 0,
-                 free_bytes: int | Sequence[int] | None = None):
-        def per_device(v: int | Sequence[int], what: str) -> list[int]:
-            vals = [int(v)] * count if isinstance(v, int) else [int(x) for x in v]
-            if len(vals) != count:
-                raise ValueError(f"{what}: {len(vals)} values for {count} devices")
-            return vals
-
-        self.count = count
-        self.total = per_device(total_bytes, "total_bytes")
-        self.peak = per_device(peak_bytes, "peak_bytes")
-        self.free = per_device(free_bytes, "free_bytes") if free_bytes is not None else list(self.total)
-
-    def stats(self, index: int) -> MemoryStats:
-        return MemoryStats(self.total[index], self.free[index], self.peak[index])
-
-
-class FakeBackend(Backend):
-    """A backend whose memory numbers come from a FakeMemoryProbe; tensors live on `tensor_device`.
-
-    Lets NPU-sized startups (e.g. 16 x 64 GiB with a per-device peak) run the real launcher on a CPU;
-    pair it with a shape-only runner on the meta device so nothing is really allocated.
-    """
-
-    def __init__(self, probe: FakeMemoryProbe, kind: str = "npu", tensor_device: str | torch.device = "meta"):
-        super().__init__(probe.count)
-        self.kind = kind
-        self.probe = probe
-        self._device = torch.device(tensor_device)
-        self.resets = 0
-
-    def torch_device(self, index: int = 0) -> torch.device:
-        self._indices(index)
-        return self._device
-
-    def memory(self, index: int = 0) -> MemoryStats:
-        self._indices(index)
-        return self.probe.stats(index)
-
-    def reset_peak(self, index: int | None = None) -> None:
-        self._indices(index)
-        self.resets += 1
-
-
 # -- selection ----------------------------------------------------------------------------------------
 
 def _npu_visible() -> tuple[bool, str]:
@@ -392,10 +262,10 @@ def _npu_visible() -> tuple[bool, str]:
     return (n > 0), (f"{n} NPU(s) visible" if n else "torch_npu is installed but no NPU is visible")
 
 
-def select_backend(device: Any) -> Backend:
+def select_backend(device: DeviceSettings) -> Backend:
     """The backend for rc.device: an explicit kind, or auto = npu, then cuda, then cpu (logged with why)."""
     kind, count, cap = device.kind, device.count, device.memory_bytes_per_device
-    if getattr(device, "offline", False):
+    if device.offline:
         raise BackendUnavailableError("this device profile is an offline planning profile (device.offline=true); "
                                       "it can only be used with mode=plan or mode=validate")
     if kind == "npu":
@@ -403,7 +273,7 @@ def select_backend(device: Any) -> Backend:
     if kind == "cuda":
         return CudaBackend(count, cap)
     if kind == "cpu":
-        return CpuBackend(count, cap, threads=getattr(device, "cpu_threads", None))
+        return CpuBackend(count, cap, threads=device.cpu_threads)
     if kind != "auto":
         raise BackendUnavailableError(f"device.kind={kind!r}: must be one of auto, cpu, cuda, npu")
     npu_ok, npu_why = _npu_visible()
@@ -415,7 +285,7 @@ def select_backend(device: Any) -> Backend:
         log.info("device=auto chose cuda: %s; %d CUDA device(s) visible", npu_why, cuda_n)
         return CudaBackend(count, cap)
     cuda_why = "torch.cuda.is_available() is False" if torch.version.cuda else "torch is a CPU-only build"
-    cpu_cap = cap if cap is not None else getattr(device, "cpu_memory_bytes", None)
+    cpu_cap = cap if cap is not None else device.cpu_memory_bytes
     log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,
              f"a budget of {cpu_cap:,} B" if cpu_cap else f"MemAvailable of {MEMINFO}")
-    return CpuBackend(None if count is None else count, cpu_cap, threads=getattr(device, "cpu_threads", None))
+    return CpuBackend(None if count is None else count, cpu_cap, threads=device.cpu_threads)

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from appliance.config.runtime import ModelSpec
-from appliance.tokenizer import Tokenizer
-from npu.weights import CheckpointError, random_state_dict
+from appliance.core.config import ModelSpec
+from appliance.core.tokenizer import Tokenizer
+from npu.registry import runner_class
+from npu.weights import random_state_dict
 
 log = logging.getLogger("npu.checkpoint")
 
@@ -53,41 +54,9 @@ def qwen3_hf_config(model: ModelSpec, tokenizer: Tokenizer | None = None) -> dic
     return cfg
 
 
-# config.json keys a qwen3 checkpoint must agree on with model.layout (HF name -> layout name).
-_QWEN3_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-    "tie_word_embeddings": "tie_word_embeddings",
-}
-
-
-def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> None:
-    """A qwen3 checkpoint's config.json must describe the same layout as model.layout (one error, all keys)."""
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint_dir} has no config.json")
-    cfg = json.loads(path.read_text())
-    lay = model.layout
-    bad = []
-    for hf_key, key in _QWEN3_KEYS.items():
-        if hf_key not in cfg:
-            continue
-        mine, theirs = getattr(lay, key), cfg[hf_key]
-        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if isinstance(mine, float) else mine == theirs
-        if not same:
-            bad.append(f"model.layout.{key}={mine!r} but config.json {hf_key}={theirs!r}")
-    if cfg.get("rope_scaling"):
-        bad.append(f"config.json rope_scaling={cfg['rope_scaling']!r} is not supported")
-    if bad:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} does not match model {model.name!r}:\n  " + "\n  ".join(bad))
-
-
 def write_tiny_checkpoint(directory: str | Path, model: ModelSpec, seed: int, std: float = 0.02) -> Path:
     """config.json + model.safetensors (the runner's random_state_dict) + tokenizer.json into `directory`."""
     from safetensors.torch import save_file
-
-    from npu.launcher import runner_class
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
-from appliance.config.runtime import ModelSpec
-from appliance.kv_cache_spec import CacheGroupSpec
+from appliance.core.archs.deepseek_v4 import STATE_GROUPS, compress_ratios
+from appliance.core.config import ModelSpec
+from appliance.core.kv_cache_spec import CacheGroupSpec
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
-from npu.weights import CheckpointError, load_state_dict, random_state_dict
 
 ROPE_FRACTION = 8   # DeepSeek V4 rotates 64 of its 512 latent channels
 
@@ -97,52 +96,16 @@ class DeepseekV4Runner(ModelRunner):
     def __init__(self, model: ModelSpec, device: torch.device | str):
         super().__init__(model, torch.device(device))
         lay = model.layout
-        if lay.num_kv_heads != 1:
-            raise ValueError(f"model {model.name!r}: deepseek_v4 uses one latent KV head (MQA), "
-                             f"got layout.num_kv_heads={lay.num_kv_heads}")
         self.ratios = model.main_layer_ratios
-        nonzero = sorted({r for r in self.ratios if r})
-        if len(nonzero) != 2:
-            raise ValueError(f"model {model.name!r}: deepseek_v4 needs two nonzero compress ratios "
-                             f"(CSA = smallest, HCA = largest), got {nonzero}")
-        self.csa_ratio, self.hca_ratio = nonzero
+        self.csa_ratio, self.hca_ratio = compress_ratios(model)
         self.dtype = getattr(torch, lay.dtype)
         self.head_dim, self.index_dim = lay.head_dim, lay.index_head_dim
         self.window = lay.sliding_window
-        self.cmp = {r: f"cmp_c{r}" for r in nonzero}
+        self.cmp = {r: f"cmp_c{r}" for r in (self.csa_ratio, self.hca_ratio)}
         self.state = {self.csa_ratio: "csa_state", self.hca_ratio: "hca_state"}
-        self.state_groups = ("hca_state", "csa_state", "csa_inner_state")
-        self._check_groups()
+        self.state_groups = STATE_GROUPS
         self.layer_index = {s.name: {l: i for i, l in enumerate(s.layer_ids)} for s in model.cache_groups}
         self.params: dict[str, torch.Tensor] = {}
-
-    def _check_groups(self) -> None:
-        """Every role's group exists with the layers, tokens per row and width the math needs."""
-        d, di = self.head_dim, self.index_dim
-        layers_of = lambda r: tuple(l for l, x in enumerate(self.ratios) if x == r)  # noqa: E731
-        csa, hca = layers_of(self.csa_ratio), layers_of(self.hca_ratio)
-        need = {  # name: (layers, tokens per row, min width)
-            "ori": (tuple(range(len(self.ratios))), 1, d),
-            self.cmp[self.hca_ratio]: (hca, self.hca_ratio, d),
-            self.cmp[self.csa_ratio]: (csa, self.csa_ratio, d),
-            "idx": (csa, self.csa_ratio, di),
-            "hca_state": (hca, 1, 2 * d),
-            "csa_state": (csa, 1, 2 * d),
-            "csa_inner_state": (csa, 1, 2 * di),
-        }
-        names = [s.name for s in self.model.cache_groups]
-        for name, (layers, tokens_per_row, width) in need.items():
-            if name not in names:
-                raise ValueError(f"model {self.model.name!r}: deepseek_v4 needs cache group {name!r}, has {names}")
-            spec = self.model.group(name)
-            if spec.layer_ids != layers or spec.tokens_per_row != tokens_per_row or spec.row_width < width:
-                raise ValueError(
-                    f"model {self.model.name!r}: cache group {name!r} must cover layers {list(layers)} with "
-                    f"tokens_per_row={tokens_per_row} and row width >= {width}; has layers "
-                    f"{list(spec.layer_ids)}, tokens_per_row={spec.tokens_per_row}, width={spec.row_width}")
-            if not spec.row_dtype.startswith(("float", "bfloat")) and spec.row_extra_bytes != 4:
-                raise ValueError(f"model {self.model.name!r}: integer rows of cache group {name!r} need "
-                                 f"extra_bytes=4 for their fp32 scale, got {spec.row_extra_bytes}")
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -179,25 +142,8 @@ class DeepseekV4Runner(ModelRunner):
             w["lm_head.weight"] = ((V, D), dt)
         return w
 
-    def load_weights(self) -> None:
-        expected = self.expected_weights()
-        if self.model.weights == "random":   # norm gains 1, the rest normal(0, 0.02), seeded per name
-            weights = random_state_dict(expected, self.model.weights_seed, self.device)
-        else:
-            weights = load_state_dict(self.model.weights, expected, self.device)
-        self.set_weights(weights)
-
-    def set_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Use these weights (checked against expected_weights: names, shapes, dtypes)."""
-        expected = self.expected_weights()
-        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        if missing or extra:
-            raise CheckpointError(f"weights for {self.model.name!r}: missing {missing}, unexpected {extra}")
-        for name, (shape, dtype) in expected.items():
-            t = weights[name]
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise CheckpointError(f"weight {name!r}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
-        self.params = {k: v.to(self.device) for k, v in weights.items()}
+    def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.params = weights
 
     # -- rows in pools -----------------------------------------------------------------------------
     def _table(self, spec: CacheGroupSpec, seqs: list[SeqStep]) -> torch.Tensor:
@@ -429,14 +375,10 @@ class DeepseekV4Runner(ModelRunner):
         if not self.pools or self.num_scratch < 1:
             raise RuntimeError("profile_batch needs pools with at least one scratch page (allocate_pools first)")
         tif = self.model.layout.tokens_in_flight
-        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
-        total = min(max_num_tokens, num_seqs * tif)
         max_len = max(s.max_blocks_per_seq * s.tokens_per_page for s in self.model.cache_groups if not s.is_ring)
         seqs = []
-        for j in range(num_seqs):
-            n = total // num_seqs + (1 if j < total % num_seqs else 0)
-            if n:
-                tables = {s.name: [self.scratch_page(s.name, j % self.num_scratch)] * s.max_blocks_per_seq
-                          for s in self.model.cache_groups}
-                seqs.append(SeqStep(f"profile-{j}", [0] * n, max_len - n, tables))
+        for j, n in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, tif)):
+            tables = {s.name: [self.scratch_page(s.name, j % self.num_scratch)] * s.max_blocks_per_seq
+                      for s in self.model.cache_groups}
+            seqs.append(SeqStep(f"profile-{j}", [0] * n, max_len - n, tables))
         return StepBatch(seqs)

@@ -3,107 +3,44 @@
     runner, report = launch(rc)
 
 1. select the backend (device=auto: npu, then cuda, then cpu);
-2. build the runner for model.arch (registry below, imported lazily);
+2. build the runner for model.arch (found through the architecture registry, imported when chosen);
 3. load weights (timed);
 4. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run the largest
    step the config allows (max_num_batched_tokens over min(max_num_seqs, ...) sequences; deepseek_v4
    caps a sequence's step at layout.tokens_in_flight), and read each device's probe;
    peak_non_kv = peak allocated + non-torch growth - the scratch pools (the planner counts scratch itself);
-5. appliance.planner.plan_capacity on those numbers (the same function mode=plan calls);
+5. appliance.core.planner.plan_capacity on those numbers (the same function mode=plan calls);
 6. allocate every group's pool (plan blocks + decode_batch scratch pages); on an allocation failure free
    everything and re-plan one slot fewer (num_slots_override), until it fits;
 7. return the runner and a StartupReport of what was finally allocated.
 
-The planning half (`measure` on any backend, `plan_from`) runs unchanged with FakeBackend and
-ShapeOnlyRunner, so NPU-scale startups are tested on a CPU without allocating anything.
+The planning half runs unchanged with npu.fake's FakeBackend and ShapeOnlyRunner, so NPU-scale startups
+are tested on a CPU without allocating anything.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from appliance.config.runtime import ModelSpec, RuntimeConfig
-from appliance.planner import CapacityPlan, DeviceMemory, InsufficientMemoryError, plan_capacity
-from appliance.startup_report import StartupReport
+from appliance.core.config import ModelSpec, RuntimeConfig
+from appliance.core.planner import (
+    CapacityPlan,
+    DeviceMemory,
+    InsufficientMemoryError,
+    plan_for_config,
+)
+from appliance.core.startup_report import StartupReport
 from npu.backends import Backend, select_backend
+from npu.registry import build_runner
 from npu.runner import ModelRunner
-from npu.step import SeqStep, StepBatch
 
 log = logging.getLogger("npu.launcher")
-
-# arch -> (module, class); imported only when that arch is started.
-RUNNERS: dict[str, tuple[str, str]] = {
-    "qwen3": ("npu.qwen3", "Qwen3Runner"),
-    "deepseek_v4": ("npu.deepseek_v4", "DeepseekV4Runner"),
-}
-
-
-def runner_class(arch: str) -> type[ModelRunner]:
-    if arch not in RUNNERS:
-        raise ValueError(f"model.arch={arch!r} has no runner; known: {sorted(RUNNERS)}")
-    module, name = RUNNERS[arch]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"the runner for model.arch={arch!r} ({module}.{name}) is not available: {exc}") from exc
-
-
-def build_runner(model: ModelSpec, device: torch.device) -> ModelRunner:
-    return runner_class(model.arch)(model, device)
-
-
-class ShapeOnlyRunner(ModelRunner):
-    """A model's cache groups and pools without its math: pools live on the meta device (no memory),
-    weights are skipped and a step returns meta logits. Plans NPU-scale startups on a laptop.
-
-    max_pool_bytes simulates a device whose allocator refuses pools larger than that (retry tests).
-    """
-
-    def __init__(self, model: ModelSpec, device: torch.device | str = "meta", max_pool_bytes: int | None = None):
-        super().__init__(model, torch.device(device))
-        self.max_pool_bytes = max_pool_bytes
-        self.allocation_attempts: list[dict[str, int]] = []
-
-    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {}
-
-    def load_weights(self) -> None:
-        pass
-
-    def allocate_pools(self, num_blocks, num_scratch: int) -> None:
-        self.allocation_attempts.append(dict(num_blocks))
-        if self.max_pool_bytes is not None:
-            need = sum((num_blocks[s.name] + num_scratch) * s.page_size_bytes for s in self.model.cache_groups)
-            if need > self.max_pool_bytes:
-                self.free_pools()
-                raise RuntimeError(f"simulated out of memory: pools need {need:,} B, the device gives "
-                                   f"{self.max_pool_bytes:,} B")
-        super().allocate_pools(num_blocks, num_scratch)
-
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        n = sum(1 for s in batch.seqs if s.sample)
-        return torch.zeros(n, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
-        seqs = []
-        for i in range(num_seqs):
-            length = max_num_tokens // num_seqs + (1 if i < max_num_tokens % num_seqs else 0)
-            tables = {}
-            for spec in self.model.cache_groups:
-                pages = spec.max_blocks_per_seq if spec.is_ring else math.ceil(length / spec.tokens_per_page)
-                tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
-            seqs.append(SeqStep(f"profile-{i}", [0] * length, 0, tables))
-        return StepBatch(seqs)
-
 
 def profile_shape(rc: RuntimeConfig) -> tuple[int, int]:
     """(tokens, sequences) of the largest step the config allows."""
@@ -171,15 +108,6 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> Measure
                        tuple(s.non_torch_bytes for s in stats), scratch, tokens, seqs, load_s, profile_s)
 
 
-def plan_from(rc: RuntimeConfig, devices: Sequence[DeviceMemory], num_slots_override: int | None = None) -> CapacityPlan:
-    """plan_capacity with the config's settings; num_slots_override (a retry) wins over the config's."""
-    return plan_capacity(
-        rc.model.cache_groups, devices, utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
-        max_model_len=rc.max_model_len, block_size=rc.block_size,
-        kv_cache_memory_bytes=rc.kv_cache.kv_cache_memory_bytes,
-        num_slots_override=num_slots_override if num_slots_override is not None else rc.kv_cache.num_slots_override)
-
-
 def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: CapacityPlan,
              devices: Sequence[DeviceMemory]) -> tuple[CapacityPlan, int]:
     """Allocate the plan's pools; on failure free everything and re-plan one slot fewer. Returns (plan, retries)."""
@@ -200,7 +128,7 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             retries += 1
             log.warning("allocating %d slots failed (%s); freeing and retrying with %d", plan.capacity_slots,
                         str(exc).splitlines()[0], plan.capacity_slots - 1)
-            plan = plan_from(rc, devices, num_slots_override=plan.capacity_slots - 1)
+            plan = plan_for_config(rc, devices, num_slots_override=plan.capacity_slots - 1)
 
 
 def weights_label(model: ModelSpec) -> str:
@@ -214,7 +142,7 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None,
     runner = runner or build_runner(rc.model, backend.torch_device(0))
     log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
     m = measure(rc, backend, runner)
-    plan = plan_from(rc, m.devices)
+    plan = plan_for_config(rc, m.devices)
     t0 = time.perf_counter()
     plan, retries = allocate(rc, backend, runner, plan, m.devices)
     alloc_s = time.perf_counter() - t0

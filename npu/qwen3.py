@@ -19,20 +19,17 @@ from __future__ import annotations
 import array
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from appliance.config.runtime import ModelSpec
-from appliance.kv_cache_spec import CacheGroupSpec
+from appliance.core.archs.qwen3 import KV
+from appliance.core.config import ModelSpec
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
-from npu.weights import CheckpointError, load_state_dict, random_state_dict
 
 log = logging.getLogger("npu.qwen3")
-
-KV = "kv"
 
 
 @dataclass
@@ -46,33 +43,13 @@ class _Layer:
     down: torch.Tensor
 
 
-def check_kv_group(model: ModelSpec) -> CacheGroupSpec:
-    """Qwen3 needs exactly one full-history group over all layers holding K and V of every kv head."""
-    lay = model.layout
-    if len(model.cache_groups) != 1 or model.cache_groups[0].name != KV:
-        raise ValueError(f"model {model.name!r} (arch qwen3) needs exactly one cache group named {KV!r}; "
-                         f"model.cache_groups has {[g.name for g in model.cache_groups]}")
-    spec = model.cache_groups[0]
-    width = 2 * lay.num_kv_heads * lay.head_dim
-    problems = []
-    if spec.layer_ids != tuple(range(lay.num_layers)):
-        problems.append("layers must be 'all'")
-    if spec.history != "full" or spec.tokens_per_row != 1 or spec.rows_per_block != lay.block_size:
-        problems.append(f"history must be full with rows_per_block = block_size ({lay.block_size}) and tokens_per_row 1")
-    if spec.row_width != width or spec.row_extra_bytes:
-        problems.append(f"row.width must be 2 x num_kv_heads x head_dim = {width} with no extra bytes")
-    if problems:
-        raise ValueError(f"model.cache_groups[0] ({KV}) of {model.name!r}: " + "; ".join(problems))
-    return spec
-
-
 class Qwen3Runner(ModelRunner):
     """Qwen3ForCausalLM (dense) on paged KV; logits of the last token of each sampled sequence."""
 
     def __init__(self, model: ModelSpec, device: torch.device | str):
         super().__init__(model, torch.device(device))
         lay = model.layout
-        self.spec = check_kv_group(model)
+        self.spec = model.group(KV)
         self.dtype: torch.dtype = getattr(torch, lay.dtype)
         self.hidden = lay.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
@@ -114,24 +91,8 @@ class Qwen3Runner(ModelRunner):
             })
         return out
 
-    def load_weights(self) -> None:
-        expected = self.expected_weights()
-        if self.model.weights == "random":
-            log.info("%s: seeded random weights (seed %d)", self.model.name, self.model.weights_seed)
-            state = random_state_dict(expected, self.model.weights_seed, self.device)
-        else:
-            from npu.checkpoint import check_checkpoint_config
-            check_checkpoint_config(self.model.weights, self.model)
-            state = load_state_dict(self.model.weights, expected, self.device)
-        self.set_weights(state)
-
-    def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Install a state dict with exactly expected_weights(); q/k/v and gate/up are fused for speed."""
-        expected = self.expected_weights()
-        if set(state) != set(expected):
-            raise CheckpointError(f"state dict mismatch: missing {sorted(set(expected) - set(state))}, "
-                                  f"unexpected {sorted(set(state) - set(expected))}")
-        w = {n: t.to(device=self.device, dtype=self.dtype) for n, t in state.items()}
+    def install_weights(self, w: dict[str, torch.Tensor]) -> None:
+        """q/k/v and gate/up are fused for speed."""
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if self.model.layout.tie_word_embeddings else w["lm_head.weight"]
@@ -257,16 +218,12 @@ class Qwen3Runner(ModelRunner):
         if self.num_scratch < 1:
             raise RuntimeError("profile_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
         max_ctx = self.spec.max_blocks_per_seq * self.block_size
-        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
-        total = min(max_num_tokens, num_seqs * max_ctx)
         pages = self.spec.max_blocks_per_seq
         seqs = []
-        for i in range(num_seqs):
-            length = total // num_seqs + (1 if i < total % num_seqs else 0)
+        for i, length in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, max_ctx)):
             table = [self.scratch_page(KV, (i + j) % self.num_scratch) for j in range(pages)]
             seqs.append(SeqStep(f"profile-{i}", [0] * length, max_ctx - length, {KV: table}, sample=True))
         return StepBatch(seqs)
-
 
 
 @dataclass

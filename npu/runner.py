@@ -1,4 +1,8 @@
-"""ModelRunner: the interface every model runner implements, and the pool handling they share.
+"""ModelRunner: the interface every model runner implements, and the steps they all share.
+
+Shared here: the architecture's rules (checked on construction), weights (seeded random or a checkpoint
+directory, checked against `expected_weights()` by name, shape and dtype before `install_weights`),
+pools, and how a profiling step's tokens are split over sequences. Each runner adds its math.
 
 Pools are allocated at runtime from the plan: one tensor per cache group shaped
 [num_blocks + num_scratch, num_layers_in_group, rows_per_block, row_width]. Kernels take block tables
@@ -12,9 +16,13 @@ from typing import Mapping
 
 import torch
 
-from appliance.config.runtime import ModelSpec
-from appliance.kv_cache_spec import CacheGroupSpec
+from appliance.core.archs import check_model
+from appliance.core.checkpoint_config import check_checkpoint_config
+from appliance.core.config import ModelSpec
+from appliance.core.errors import CheckpointError
+from appliance.core.kv_cache_spec import CacheGroupSpec
 from npu.step import StepBatch
+from npu.weights import load_state_dict, random_state_dict
 
 
 def contiguous_runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -32,6 +40,7 @@ class ModelRunner(ABC):
     """One model on one device: weights, pools, and a batched step over paged caches."""
 
     def __init__(self, model: ModelSpec, device: torch.device):
+        check_model(model)           # ConfigError naming the key path when the model breaks its arch's rules
         self.model = model
         self.device = device
         self.pools: dict[str, torch.Tensor] = {}
@@ -43,9 +52,31 @@ class ModelRunner(ABC):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every parameter the model needs: name -> (shape, dtype). Checkpoints are checked against it."""
 
-    @abstractmethod
     def load_weights(self) -> None:
-        """Load model.weights (a checkpoint directory) or make seeded random weights ("random")."""
+        """Load model.weights (a checkpoint directory, its config.json checked first) or make seeded random
+        weights ("random"), then set them."""
+        expected = self.expected_weights()
+        if self.model.weights == "random":
+            state = random_state_dict(expected, self.model.weights_seed, self.device)
+        else:
+            check_checkpoint_config(self.model.weights, self.model)
+            state = load_state_dict(self.model.weights, expected, self.device)
+        self.set_weights(state)
+
+    def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast)."""
+        expected = self.expected_weights()
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or extra:
+            raise CheckpointError(f"weights for {self.model.name!r}: missing {missing}, unexpected {extra}")
+        for name, (shape, _) in expected.items():
+            if tuple(state[name].shape) != tuple(shape):
+                raise CheckpointError(f"weight {name!r}: expected shape {list(shape)}, got {list(state[name].shape)}")
+        self.install_weights({n: t.to(device=self.device, dtype=expected[n][1]) for n, t in state.items()})
+
+    @abstractmethod
+    def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Hold checked weights (on the device, in their expected dtypes) the way the math wants them."""
 
     # -- pools -------------------------------------------------------------------------------------
     def pool_dtype(self, spec: CacheGroupSpec) -> torch.dtype:
@@ -93,3 +124,12 @@ class ModelRunner(ABC):
     @abstractmethod
     def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
         """The largest step the config allows, on scratch pages only, for measuring peak non-KV memory."""
+
+    @staticmethod
+    def profile_lengths(max_num_tokens: int, max_num_seqs: int, per_seq_cap: int) -> list[int]:
+        """Chunk lengths of a profiling step: up to max_num_tokens tokens over min(max_num_seqs, tokens)
+        sequences, as even as possible, none longer than per_seq_cap; empty sequences are dropped."""
+        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
+        total = min(max_num_tokens, num_seqs * per_seq_cap)
+        lengths = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
+        return [n for n in lengths if n]

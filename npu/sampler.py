@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance.request import SamplingParams
+from appliance.core.request import SamplingParams
 
 
 class Sampler:

@@ -15,13 +15,11 @@ from typing import Mapping
 import torch
 from tqdm.auto import tqdm
 
+from appliance.core.errors import CheckpointError
+
 log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: every missing, unexpected or misshapen tensor."""
 
 
 def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
@@ -121,7 +119,3 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
             t = torch.zeros(shape, dtype=torch.float32)
         out[name] = t.to(device=device, dtype=dtype)
     return out
-
-
-def state_dict_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())

@@ -1,4 +1,9 @@
-"""Composed DictConfig -> validated, frozen RuntimeConfig with derived cache-group specs."""
+"""Hydra composition: conf/ + overrides -> DictConfig -> validated, frozen RuntimeConfig (appliance.core.config).
+
+Every rule is checked before any device work, all problems together (ConfigError, each with its key path):
+the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
+registry (appliance.core.archs).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,49 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
-from appliance.config.errors import ConfigError, ConfigIssue
-from appliance.config.runtime import (
-    BenchSettings, DeviceSettings, KvCacheSettings, Layout, ModelSpec, PlanSettings, RuntimeConfig,
-    ServerSettings, freeze,
+from appliance.core.archs import ARCHITECTURES, architecture
+from appliance.core.config import (
+    BenchSettings,
+    DeviceSettings,
+    KvCacheSettings,
+    Layout,
+    ModelSpec,
+    PlanSettings,
+    RuntimeConfig,
+    ServerSettings,
+    freeze,
 )
-from appliance.kv_cache_spec import DTYPE_BYTES, FULL, RING, CacheGroupSpec, full_history_blocks, ring_blocks
+from appliance.core.errors import ConfigError, ConfigIssue
+from appliance.core.kv_cache_spec import (
+    DTYPE_BYTES,
+    FULL,
+    RING,
+    CacheGroupSpec,
+    full_history_blocks,
+    ring_blocks,
+)
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")
-ARCHS = ("deepseek_v4", "qwen3")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """Compose conf/config.yaml with command-line style overrides, outside a Hydra app (tests, tools)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    schema.register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def load_runtime_config(overrides: list[str] | None = None) -> RuntimeConfig:
+    """Overrides such as ["+model=qwen3_tiny", "max_num_seqs=32"] -> a validated RuntimeConfig."""
+    return compose_runtime_config(compose(overrides))
 
 
 def available_models() -> list[str]:
@@ -90,13 +126,17 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     plain = OmegaConf.to_container(cfg, resolve=True)
     hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
     model = plain["model"]
+    spec = ModelSpec(
+        name=model["name"], arch=model["arch"], layout=freeze(Layout, model["layout"]),
+        cache_groups=groups, weights=model["weights"], tokenizer=model["tokenizer"],
+        weights_seed=model["weights_seed"],
+    )
+    arch_issues = architecture(spec.arch).validate(spec)
+    if arch_issues:
+        raise ConfigError(arch_issues)
     return RuntimeConfig(
         mode=cfg.mode,
-        model=ModelSpec(
-            name=model["name"], arch=model["arch"], layout=freeze(Layout, model["layout"]),
-            cache_groups=groups, weights=model["weights"], tokenizer=model["tokenizer"],
-            weights_seed=model["weights_seed"],
-        ),
+        model=spec,
         device=freeze(DeviceSettings, plain["device"]),
         server=freeze(ServerSettings, plain["server"]),
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
@@ -179,7 +219,7 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
 
 
 def _check_layout(c: _Checker, model: DictConfig) -> None:
-    c.one_of("model.arch", model.arch, ARCHS)
+    c.one_of("model.arch", model.arch, tuple(sorted(ARCHITECTURES)))
     lay = model.layout
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                 "block_size", "intermediate_size", "max_model_len_cap"):

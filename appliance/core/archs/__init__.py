@@ -1,0 +1,49 @@
+"""The architecture registry: per `model.arch`, its rules, its runner and the parallelism it supports.
+
+Torch-free, so the composer runs every architecture rule at `mode=validate` (exit 2 naming the key path)
+before any device work, and the device plane finds runners only through this table (a `module:Class`
+string, imported when that arch is started).
+
+    arch          runner                               parallelism
+    qwen3         npu.qwen3:Qwen3Runner                tensor, data
+    deepseek_v4   npu.deepseek_v4:DeepseekV4Runner     data, expert
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from appliance.core.archs import deepseek_v4, qwen3
+from appliance.core.config import ModelSpec
+from appliance.core.errors import ConfigError, ConfigIssue
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    runner: str                                            # "module:Class" of its ModelRunner
+    validate: Callable[[ModelSpec], list[ConfigIssue]]     # layout and cache-group rules, with key paths
+    parallelism: frozenset[str]                            # among "tensor", "data", "expert"
+    config_keys: dict[str, str]                            # checkpoint config.json key -> layout key
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS),
+    Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
+                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS),
+)}
+
+
+def architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ConfigError([ConfigIssue("model.arch", name, f"must be one of {sorted(ARCHITECTURES)}")]) from None
+
+
+def check_model(model: ModelSpec) -> None:
+    """Raise ConfigError with every rule the model breaks for its architecture."""
+    issues = architecture(model.arch).validate(model)
+    if issues:
+        raise ConfigError(issues)

@@ -1,0 +1,43 @@
+"""Rules of arch qwen3: one full-history group `kv` over every layer, holding K and V of every kv head."""
+
+from __future__ import annotations
+
+from appliance.core.config import ModelSpec
+from appliance.core.errors import ConfigIssue
+
+KV = "kv"
+
+# config.json keys of a Hugging Face Qwen3 checkpoint -> the layout keys they must agree with.
+CONFIG_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+
+
+def validate(model: ModelSpec) -> list[ConfigIssue]:
+    lay, groups = model.layout, model.cache_groups
+    if len(groups) != 1 or groups[0].name != KV:
+        return [ConfigIssue("model.cache_groups", [g.name for g in groups],
+                            f"arch qwen3 needs exactly one cache group, named {KV!r}")]
+    spec, p = groups[0], "model.cache_groups[0]"
+    issues = []
+    if spec.layer_ids != tuple(range(lay.num_layers)):
+        issues.append(ConfigIssue(f"{p}.layers", list(spec.layer_ids), "arch qwen3 keeps K/V of every layer: 'all'"))
+    if spec.history != "full":
+        issues.append(ConfigIssue(f"{p}.history", spec.history, "arch qwen3 keeps the full history: 'full'"))
+    if spec.tokens_per_row != 1:
+        issues.append(ConfigIssue(f"{p}.tokens_per_row", spec.tokens_per_row, "arch qwen3 stores one row per token"))
+    if spec.rows_per_block != lay.block_size:
+        issues.append(ConfigIssue(f"{p}.rows_per_block", spec.rows_per_block,
+                                  f"must equal model.layout.block_size ({lay.block_size})"))
+    width = 2 * lay.num_kv_heads * lay.head_dim
+    if spec.row_width != width:
+        issues.append(ConfigIssue(f"{p}.row.width", spec.row_width,
+                                  f"must be 2 x num_kv_heads x head_dim = {width} (K then V of every kv head)"))
+    if spec.row_extra_bytes:
+        issues.append(ConfigIssue(f"{p}.row.extra_bytes", spec.row_extra_bytes, "arch qwen3 rows have no extra bytes"))
+    if not spec.row_dtype.startswith(("float", "bfloat")):
+        issues.append(ConfigIssue(f"{p}.row.dtype", spec.row_dtype, "arch qwen3 stores K/V in a floating dtype"))
+    return issues

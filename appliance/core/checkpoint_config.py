@@ -1,0 +1,37 @@
+"""A checkpoint directory's config.json checked against model.layout, before any tensor is read. No torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from appliance.core.archs import architecture
+from appliance.core.config import ModelSpec
+from appliance.core.errors import CheckpointError
+
+
+def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> None:
+    """config.json must describe the same layout as model.layout: one error naming every disagreeing key.
+
+    Which config.json keys map to which layout keys is the architecture's (appliance.core.archs); keys the
+    file leaves out are not checked.
+    """
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint_dir} has no config.json")
+    cfg = json.loads(path.read_text())
+    lay = model.layout
+    bad = []
+    for file_key, key in architecture(model.arch).config_keys.items():
+        if file_key not in cfg:
+            continue
+        mine, theirs = getattr(lay, key), cfg[file_key]
+        if isinstance(mine, tuple):
+            mine = list(mine)
+        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if isinstance(mine, float) else mine == theirs
+        if not same:
+            bad.append(f"model.layout.{key}={mine!r} but config.json {file_key}={theirs!r}")
+    if cfg.get("rope_scaling"):
+        bad.append(f"config.json rope_scaling={cfg['rope_scaling']!r} is not supported")
+    if bad:
+        raise CheckpointError(f"checkpoint {checkpoint_dir} does not match model {model.name!r}:\n  " + "\n  ".join(bad))

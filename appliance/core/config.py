@@ -1,0 +1,149 @@
+"""The frozen, typed runtime config the rest of the appliance reads (never a DictConfig).
+
+Declared here, field by field, so that readers and type checkers see real types. The Hydra schema
+(appliance/config/schema.py) mirrors these fields with mutable types for composition; a test keeps the
+two in step (same names and order; a default here exactly where the schema has one, and the same value).
+Every field is keyword-only: the composer builds these from dicts. No Hydra, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from appliance.core.kv_cache_spec import CacheGroupSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What the model computes: sizes the runner builds and the cache groups derive from."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int                        # tokens per KV-cache block
+    intermediate_size: int                 # dense MLP width
+    max_model_len_cap: int                 # longest sequence the layout supports
+    dtype: str = "bfloat16"                # activations and dense weights
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    # DeepSeek V4 (arch deepseek_v4); ignored by plain attention layouts.
+    num_mtp_layers: int = 0
+    sliding_window: int | None = None
+    compress_ratios: tuple[int, ...] | None = None   # one per layer, main layers then MTP layers
+    index_head_dim: int | None = None
+    index_num_heads: int | None = None
+    index_topk: int | None = None
+    tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
+    q_lora_rank: int | None = None
+    num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int | None = None
+    expert_dtype: str | None = None        # dtype of expert weights (e.g. float8_e4m3fn)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSettings:
+    kind: str                              # auto | cpu | cuda | npu
+    count: int | None = None
+    memory_bytes_per_device: int | None = None
+    cpu_memory_bytes: int | None = None    # auto falling back to the host CPU: its budget (None = MemAvailable)
+    cpu_threads: int | None = None         # torch intra-op threads on the host CPU (None = torch default)
+    offline: bool = False                  # planning profile: no device is touched
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    host: str
+    port: int
+    insecure: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    auth_token: str | None = None
+    max_message_bytes: int
+    grace_period_s: float
+    startup_timeout_s: float
+    workers: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvCacheSettings:
+    kv_cache_memory_bytes: int | None = None
+    num_slots_override: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    peak_non_kv_bytes: int | None = None
+    activation_allowance_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    num_requests: int
+    prompt_len_min: int
+    prompt_len_max: int
+    output_len_min: int
+    output_len_max: int
+    seed: int
+
+
+def freeze(cls: type, values: dict[str, Any]) -> Any:
+    """A frozen settings object from a plain dict (lists become tuples); unknown keys are an error."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    arch: str
+    layout: Layout
+    cache_groups: tuple[CacheGroupSpec, ...]
+    weights: str
+    tokenizer: str | None
+    weights_seed: int
+
+    @property
+    def main_layer_ratios(self) -> tuple[int, ...]:
+        """Compress ratio of each main (non-MTP) layer; plain attention layouts have none."""
+        ratios = self.layout.compress_ratios or ()
+        return tuple(ratios[: self.layout.num_layers])
+
+    def group(self, name: str) -> CacheGroupSpec:
+        for spec in self.cache_groups:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"model {self.name!r} has no cache group {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    mode: str
+    model: ModelSpec
+    device: DeviceSettings
+    server: ServerSettings
+    kv_cache: KvCacheSettings
+    plan: PlanSettings
+    bench: BenchSettings
+    npu_memory_utilization: float
+    decode_batch: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting_requests: int
+    enable_prefix_caching: bool
+    seed: int
+    resolved_yaml: str               # the composed config, as YAML, for reports
+
+    @property
+    def block_size(self) -> int:
+        return self.model.layout.block_size

@@ -1,0 +1,191 @@
+"""Capacity planner: device memory -> per-group KV-cache block counts. A pure function of numbers.
+
+The runtime (with measured peak memory) and `mode=plan` (with estimated peak memory) call the same
+`plan_capacity`, through the one config adapter `plan_for_config`, so a plan made offline with the
+runtime's inputs equals the runtime allocation.
+
+    budget          = total_bytes x utilization - peak_non_kv_bytes          (per device)
+    capacity_slots  = (min budget - scratch_bytes) // bytes_per_slot
+    num_blocks[g]   = capacity_slots x max_blocks_per_seq[g]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one device offers: total memory, free memory when measured, and the peak of everything but KV."""
+
+    name: str
+    total_bytes: int
+    free_bytes: int
+    peak_non_kv_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    name: str
+    total_bytes: int
+    free_bytes: int
+    peak_non_kv_bytes: int
+    usable_bytes: int          # total x utilization
+    budget_bytes: int          # usable - peak_non_kv: what KV cache and scratch may take
+    headroom_bytes: int        # budget left after scratch and the planned slots
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    name: str
+    history: str
+    num_layers: int
+    rows_per_block: int
+    page_size_bytes: int
+    max_blocks_per_seq: int
+    num_blocks: int
+    bytes: int
+    share_of_budget: float
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    utilization: float
+    decode_batch: int
+    max_model_len: int
+    block_size: int
+    devices: tuple[DeviceBudget, ...]
+    limiting_device: str
+    budget_bytes: int          # on the limiting device
+    scratch_bytes: int
+    bytes_per_slot: int
+    capacity_slots: int        # sequences at max_model_len one device's pools hold
+    groups: tuple[GroupPlan, ...]
+    kv_cache_bytes: int        # capacity_slots x bytes_per_slot
+    unused_bytes: int          # budget - scratch - kv_cache_bytes; always < bytes_per_slot unless overridden
+    kv_tokens_per_device: int  # capacity_slots x max_model_len
+    max_concurrency: int       # capacity_slots x devices (each device is a data-parallel rank with its own pools)
+    override: str | None       # "kv_cache_memory_bytes=..." or "num_slots_override=..." when pinned
+
+    def group(self, name: str) -> GroupPlan:
+        return next(g for g in self.groups if g.name == name)
+
+    @property
+    def num_blocks(self) -> dict[str, int]:
+        return {g.name: g.num_blocks for g in self.groups}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class InsufficientMemoryError(RuntimeError):
+    """The budget cannot hold the scratch pages plus one capacity slot; raised before any allocation."""
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,} B ({n / GiB:.2f} GiB)"
+
+
+_ADVICE = ("raise npu_memory_utilization, lower max_model_len or decode_batch, "
+           "or use more devices (smaller weight shards)")
+
+
+def plan_capacity(
+    specs: Sequence[CacheGroupSpec],
+    devices: Sequence[DeviceMemory],
+    *,
+    utilization: float,
+    decode_batch: int,
+    max_model_len: int,
+    block_size: int,
+    kv_cache_memory_bytes: int | None = None,
+    num_slots_override: int | None = None,
+) -> CapacityPlan:
+    """Size every group from the most constrained device; fail fast with what to change."""
+    if not devices:
+        raise ValueError("plan_capacity needs at least one device")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization {utilization!r} must be in (0, 1]")
+    slot = bytes_per_slot(specs)
+    scratch = scratch_bytes(specs, decode_batch)
+    need = scratch + slot
+
+    budgets: list[tuple[DeviceMemory, int, int]] = []
+    for dev in devices:
+        usable = int(dev.total_bytes * utilization)
+        derived = usable - dev.peak_non_kv_bytes
+        head = (f"device {dev.name}: total {_fmt(dev.total_bytes)}, free {_fmt(dev.free_bytes)}, "
+                f"peak_non_kv {_fmt(dev.peak_non_kv_bytes)}, utilization {utilization}")
+        if derived <= 0:
+            raise InsufficientMemoryError(
+                f"{head}: peak_non_kv alone exceeds total x utilization ({_fmt(usable)}) by "
+                f"{_fmt(-derived)}; no memory is left for the KV cache. Fix: {_ADVICE}.")
+        budget = derived
+        if kv_cache_memory_bytes is not None:
+            if kv_cache_memory_bytes > derived:
+                raise InsufficientMemoryError(
+                    f"{head}: kv_cache.kv_cache_memory_bytes {_fmt(kv_cache_memory_bytes)} exceeds the budget "
+                    f"{_fmt(derived)} by {_fmt(kv_cache_memory_bytes - derived)}. Fix: lower it or {_ADVICE}.")
+            budget = kv_cache_memory_bytes
+        if budget < need:
+            raise InsufficientMemoryError(
+                f"{head}: budget {_fmt(budget)} cannot hold scratch {_fmt(scratch)} + one slot {_fmt(slot)} "
+                f"(max_model_len {max_model_len}); shortfall {_fmt(need - budget)}. Fix: {_ADVICE}.")
+        budgets.append((dev, usable, budget))
+
+    limiting, _, limit_budget = min(budgets, key=lambda b: b[2])
+    slots = (limit_budget - scratch) // slot
+    override = None
+    if kv_cache_memory_bytes is not None:
+        override = f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    if num_slots_override is not None:
+        if scratch + num_slots_override * slot > limit_budget:
+            raise InsufficientMemoryError(
+                f"device {limiting.name}: kv_cache.num_slots_override {num_slots_override} needs "
+                f"{_fmt(scratch + num_slots_override * slot)} but the budget is {_fmt(limit_budget)}; at most "
+                f"{slots} slots fit. Fix: lower it or {_ADVICE}.")
+        slots = num_slots_override
+        override = f"num_slots_override={num_slots_override}"
+
+    kv_bytes = slots * slot
+    return CapacityPlan(
+        utilization=utilization, decode_batch=decode_batch, max_model_len=max_model_len, block_size=block_size,
+        devices=tuple(
+            DeviceBudget(dev.name, dev.total_bytes, dev.free_bytes, dev.peak_non_kv_bytes, usable, budget,
+                         budget - scratch - kv_bytes)
+            for dev, usable, budget in budgets),
+        limiting_device=limiting.name, budget_bytes=limit_budget, scratch_bytes=scratch, bytes_per_slot=slot,
+        capacity_slots=slots, groups=_group_plans(specs, slots, limit_budget), kv_cache_bytes=kv_bytes,
+        unused_bytes=limit_budget - scratch - kv_bytes, kv_tokens_per_device=slots * max_model_len,
+        max_concurrency=slots * len(devices), override=override,
+    )
+
+
+def _group_plans(specs: Sequence[CacheGroupSpec], slots: int, budget: int) -> tuple[GroupPlan, ...]:
+    return tuple(
+        GroupPlan(
+            name=s.name, history=s.history, num_layers=s.num_layers, rows_per_block=s.rows_per_block,
+            page_size_bytes=s.page_size_bytes, max_blocks_per_seq=s.max_blocks_per_seq,
+            num_blocks=slots * s.max_blocks_per_seq, bytes=slots * s.max_memory_usage_bytes,
+            share_of_budget=(slots * s.max_memory_usage_bytes / budget) if budget else 0.0,
+        )
+        for s in specs)
+
+
+def plan_for_config(rc: RuntimeConfig, devices: Sequence[DeviceMemory],
+                    num_slots_override: int | None = None) -> CapacityPlan:
+    """plan_capacity with a config's settings (what mode=plan and the launcher both call).
+
+    num_slots_override (the launcher's retry after a failed allocation) wins over the config's own.
+    """
+    return plan_capacity(
+        rc.model.cache_groups, devices, utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
+        max_model_len=rc.max_model_len, block_size=rc.block_size,
+        kv_cache_memory_bytes=rc.kv_cache.kv_cache_memory_bytes,
+        num_slots_override=num_slots_override if num_slots_override is not None else rc.kv_cache.num_slots_override)

@@ -1,0 +1,449 @@
+"""KvCacheManager: which physical page of every cache group each request holds (control plane, no torch).
+
+- One BlockPool per cache group per partition (a partition = one data-parallel rank with its own pools).
+- Allocation is atomic across groups: a request gets every page the next tokens need in every group, or
+  nothing (KvCapacityError naming need and free per group).
+- Full-history groups grow append-only: logical page i holds tokens [i * tokens_per_page, (i + 1) * ...).
+  Ring groups keep max_blocks_per_seq slots; logical page L lives in slot L % max_blocks_per_seq, and
+  moving to L + max_blocks_per_seq reuses the slot.
+- Prefix caching: blocks of block_size tokens are named by chained hashes; a group's page at logical index
+  L inside block j is cached under (H_j, index of the page within the block). Pages are registered only
+  once their whole block is computed (commit). A hit of h tokens must be valid in every group: full
+  groups need all pages of [0, h), ring groups only spec.live_logical_pages(h).
+- Copy-on-write for ring slots: a request never writes into a page it no longer exclusively owns. When a
+  slot moves to a new logical page, the old page is always released (refcount - 1) and a fresh page is
+  taken; a cached old page thus stays in the cache (evictable) for later hits instead of being overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from appliance.core.kv_cache_spec import CacheGroupSpec
+from appliance.engine.block_pool import BlockPool
+from appliance.engine.prefix_cache import extend_block_hashes
+
+if TYPE_CHECKING:
+    from appliance.core.planner import CapacityPlan
+
+
+class KvCapacityError(RuntimeError):
+    """Not enough free pages for a request's next tokens; nothing was allocated. `need`/`free` are per group."""
+
+    def __init__(self, message: str, need: dict[str, int], free: dict[str, int]):
+        super().__init__(message)
+        self.need = need
+        self.free = free
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0           # match_prefix calls
+    query_tokens: int = 0      # prompt tokens looked up
+    hit_tokens: int = 0        # prompt tokens served from the cache (reported as cached prompt tokens)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Seq:
+    """One request's pages. tables: full groups one page per logical page; ring groups one per slot (-1 = none)."""
+
+    def __init__(self, request_id: str, partition: int, specs: Sequence[CacheGroupSpec]):
+        self.request_id = request_id
+        self.partition = partition
+        self.tables = {s.name: [-1] * s.max_blocks_per_seq if s.is_ring else [] for s in specs}
+        self.slot_logical = {s.name: [-1] * s.max_blocks_per_seq for s in specs if s.is_ring}
+        self.num_pages = {s.name: 0 for s in specs}   # logical pages assigned so far (the next one to assign)
+        self.tokens: list[int] = []
+        self.hashes: list[bytes] = []
+        self.num_computed = 0       # tokens whose cache entries are written (match_prefix / commit)
+        self.num_reserved = 0       # tokens that have pages (allocate)
+        self.tokens_covered = 0     # tokens the assigned pages reach in every group (decode fast path)
+        self.num_cached = 0         # prefix-hit tokens
+        self.num_registered_blocks = 0
+
+    def page_at(self, spec: CacheGroupSpec, logical: int) -> int | None:
+        """Physical page holding `logical` of this group, or None when not (or no longer) held."""
+        table = self.tables[spec.name]
+        if not spec.is_ring:
+            return table[logical] if logical < len(table) else None
+        slot = logical % spec.max_blocks_per_seq
+        return table[slot] if self.slot_logical[spec.name][slot] == logical else None
+
+
+class KvCacheManager:
+    def __init__(self, specs: Sequence[CacheGroupSpec], block_size: int, *, enable_prefix_caching: bool = True,
+                 num_partitions: int = 1):
+        self.specs = tuple(specs)
+        if not self.specs:
+            raise ValueError("KvCacheManager needs at least one cache group spec")
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"cache group names must be unique, got {names}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        for s in self.specs:
+            if s.tokens_per_page <= 0 or block_size % s.tokens_per_page:
+                raise ValueError(f"cache group {s.name!r}: tokens_per_page {s.tokens_per_page} must divide "
+                                 f"block_size {block_size} (prefix-cache keys are pages within a block)")
+        if num_partitions < 1:
+            raise ValueError(f"num_partitions must be at least 1, got {num_partitions}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_partitions = num_partitions
+        self.prefix_stats = PrefixCacheStats()
+        self._pools: list[dict[str, BlockPool]] = []
+        self._new_pages: list[dict[str, list[int]]] = []
+        self._seqs: dict[str, _Seq] = {}
+        self._num_seqs = [0] * num_partitions
+
+    # -- sizing ------------------------------------------------------------------------------------
+    def initialize(self, primary_num_blocks: int, group_num_blocks: Mapping[str, int] | None = None) -> None:
+        """Create every pool from the reported capacity (per partition).
+
+        One group: any positive count. Several groups: the primary (first group's) count must be a positive
+        multiple of its max_blocks_per_seq; slots = primary // that, and every group gets slots x its
+        max_blocks_per_seq. Explicit per-group counts must agree exactly (an error, never a guess).
+        """
+        if self._seqs:
+            raise RuntimeError(f"cannot re-initialize while {len(self._seqs)} requests hold pages")
+        counts = self._resolve_counts(primary_num_blocks, group_num_blocks or {})
+        self._pools = [{s.name: BlockPool(s.name, counts[s.name]) for s in self.specs}
+                       for _ in range(self.num_partitions)]
+        self._new_pages = [{s.name: [] for s in self.specs} for _ in range(self.num_partitions)]
+
+    def initialize_from_plan(self, plan: CapacityPlan) -> None:
+        """initialize() with a planner result (e.g. StartupReport.plan)."""
+        first = self.specs[0].name
+        if first not in plan.num_blocks:
+            raise ValueError(f"capacity plan has no cache group {first!r}; it has {sorted(plan.num_blocks)}")
+        self.initialize(plan.num_blocks[first], plan.num_blocks)
+
+    def _resolve_counts(self, primary: int, given: Mapping[str, int]) -> dict[str, int]:
+        first = self.specs[0]
+        if isinstance(primary, bool) or not isinstance(primary, int):
+            raise ValueError(f"primary_num_blocks must be an int, got {primary!r}")
+        if len(self.specs) == 1:
+            if primary <= 0:
+                raise ValueError(f"primary_num_blocks for group {first.name!r} must be positive, got {primary}")
+            expected, how = {first.name: primary}, "the primary count"
+        else:
+            mbps = first.max_blocks_per_seq
+            if primary <= 0 or primary % mbps:
+                raise ValueError(
+                    f"primary_num_blocks {primary} for group {first.name!r} must be a positive multiple of its "
+                    f"max_blocks_per_seq {mbps} (one capacity slot); the planner reports slots x {mbps}")
+            slots = primary // mbps
+            expected = {s.name: slots * s.max_blocks_per_seq for s in self.specs}
+            how = f"{slots} slots x max_blocks_per_seq"
+        for name, count in given.items():
+            if name not in expected:
+                raise ValueError(f"group_num_blocks names unknown cache group {name!r}; groups: {list(expected)}")
+            if count != expected[name]:
+                raise ValueError(f"group {name!r}: expected {expected[name]} blocks ({how}), given {count}")
+        return expected
+
+    # -- requests ----------------------------------------------------------------------------------
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Place a new request on a partition and share the longest cached prefix valid in every group.
+
+        Returns the number of cached tokens h (a multiple of block_size, at most len - 1: the last prompt
+        token is always recomputed). The request holds the hit pages (refcount + 1) until free().
+        """
+        self._require_init()
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already holds pages; match_prefix is for new requests")
+        seq = self._add_seq(request_id)
+        seq.tokens = list(token_ids)
+        self.prefix_stats.queries += 1
+        self.prefix_stats.query_tokens += len(seq.tokens)
+        if not self.enable_prefix_caching or len(seq.tokens) < 2:
+            return 0
+        extend_block_hashes(seq.hashes, seq.tokens, self.block_size, (len(seq.tokens) - 1) // self.block_size)
+        pools = self._pools[seq.partition]
+        blocks = self._longest_hit(pools, seq.hashes)
+        if blocks:
+            self._share_hit(seq, pools, blocks)
+        self.prefix_stats.hit_tokens += seq.num_cached
+        return seq.num_cached
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        """Whether allocate() for the next num_new_tokens would succeed now (an unknown request starts at 0)."""
+        self._require_init()
+        seq = self._seqs.get(request_id) or _Seq(request_id, self._least_loaded(), self.specs)
+        demand = self._demand(seq, seq.num_computed + num_new_tokens)
+        return all(len(new) <= free for new, free in demand.values())
+
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int) -> dict[str, list[int]]:
+        """Reserve, in every group at once, the pages for computing the next num_new_tokens tokens.
+
+        token_ids is the request's whole sequence so far (prompt + output); the tokens computed next are
+        token_ids[num_computed : num_computed + num_new_tokens], where num_computed comes from match_prefix
+        and commit (so commit each step before allocating the next). Returns the pages newly assigned per
+        group (also queued for take_new_pages). Raises KvCapacityError, with nothing allocated, when any
+        group lacks pages; a request created by this call is then forgotten again.
+        """
+        self._require_init()
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        created = request_id not in self._seqs
+        seq = self._seqs[request_id] if not created else self._add_seq(request_id)
+        target = seq.num_computed + num_new_tokens
+        if not created and target <= seq.tokens_covered and target <= len(token_ids):
+            # Most decode steps: every group's current page still has room; nothing to assign.
+            seq.tokens.extend(token_ids[len(seq.tokens):])
+            seq.num_reserved = max(seq.num_reserved, target)
+            return {s.name: [] for s in self.specs}
+        try:
+            if len(token_ids) < len(seq.tokens):
+                raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to "
+                                 f"{len(token_ids)}")
+            target = seq.num_computed + num_new_tokens
+            if target > len(token_ids):
+                raise ValueError(f"request {request_id!r}: {seq.num_computed} computed + {num_new_tokens} new "
+                                 f"tokens exceed the {len(token_ids)} token ids given")
+            demand = self._demand(seq, target)
+            if any(len(new) > free for new, free in demand.values()):
+                self._raise_capacity(seq, num_new_tokens, demand)
+        except Exception:
+            if created:
+                self._remove_seq(seq)
+            raise
+        seq.tokens.extend(token_ids[len(seq.tokens):])
+        pools, queued = self._pools[seq.partition], self._new_pages[seq.partition]
+        added: dict[str, list[int]] = {s.name: [] for s in self.specs}
+        for s in self.specs:                      # releases first (ring slots moving on), then takes
+            new, pool, table = demand[s.name][0], pools[s.name], seq.tables[s.name]
+            if s.is_ring:
+                for logical in new:
+                    slot = logical % s.max_blocks_per_seq
+                    if table[slot] >= 0:
+                        pool.release(table[slot])
+                        table[slot], seq.slot_logical[s.name][slot] = -1, -1
+            for logical in new:
+                page = pool.take()
+                if s.is_ring:
+                    slot = logical % s.max_blocks_per_seq
+                    table[slot], seq.slot_logical[s.name][slot] = page, logical
+                else:
+                    table.append(page)
+                added[s.name].append(page)
+            seq.num_pages[s.name] = max(seq.num_pages[s.name], new.stop)
+            queued[s.name].extend(added[s.name])
+        seq.num_reserved = max(seq.num_reserved, target)
+        seq.tokens_covered = min(seq.num_pages[s.name] * s.tokens_per_page for s in self.specs)
+        return added
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> None:
+        """Record that the request's first num_computed_tokens tokens are written; cache newly completed blocks."""
+        seq = self._get(request_id)
+        if not seq.num_computed <= num_computed_tokens <= seq.num_reserved:
+            raise ValueError(f"request {request_id!r}: num_computed_tokens {num_computed_tokens} must lie between "
+                             f"the computed {seq.num_computed} and the allocated {seq.num_reserved} tokens")
+        seq.num_computed = num_computed_tokens
+        full_blocks = num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and full_blocks > seq.num_registered_blocks:
+            extend_block_hashes(seq.hashes, seq.tokens, self.block_size, full_blocks)
+            pools = self._pools[seq.partition]
+            for s in self.specs:
+                per_block = self.block_size // s.tokens_per_page
+                for logical in range(seq.num_registered_blocks * per_block, full_blocks * per_block):
+                    page = seq.page_at(s, logical)
+                    if page is not None:
+                        pools[s.name].register((seq.hashes[logical // per_block], logical % per_block), page)
+            seq.num_registered_blocks = full_blocks
+        self._release_stale_ring_pages(seq)
+
+    def _release_stale_ring_pages(self, seq: _Seq) -> None:
+        """Give back ring pages behind the live tail: no later step reads them (cached ones stay evictable).
+
+        A decoding request then holds only the pages its window or compressor span needs, not all
+        max_blocks_per_seq slots, so short requests can run beyond capacity_slots at once.
+        """
+        pools = self._pools[seq.partition]
+        for s in self.specs:
+            if not s.is_ring:
+                continue
+            first_live = s.live_logical_pages(seq.num_computed).start
+            table, logical_of = seq.tables[s.name], seq.slot_logical[s.name]
+            for slot, logical in enumerate(logical_of):
+                if 0 <= logical < first_live:
+                    pools[s.name].release(table[slot])
+                    table[slot], logical_of[slot] = -1, -1
+
+    def free(self, request_id: str) -> bool:
+        """Release everything the request holds (cached pages become evictable). False if it held nothing."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        pools = self._pools[seq.partition]
+        for s in self.specs:                      # newest first, so the tail of a prefix is evicted first
+            table = seq.tables[s.name]
+            if s.is_ring:
+                order = sorted((lg, table[slot]) for slot, lg in enumerate(seq.slot_logical[s.name]) if lg >= 0)
+                pages = [page for _, page in order]
+            else:
+                pages = list(table)
+            for page in reversed(pages):
+                pools[s.name].release(page)
+        self._remove_seq(seq)
+        return True
+
+    # -- views for the scheduler and the runner ------------------------------------------------------
+    def block_tables(self, request_id: str) -> dict[str, list[int]]:
+        """SeqStep.block_tables: full groups one page per logical page; ring groups one per slot, -1 = none."""
+        return {name: list(table) for name, table in self._get(request_id).tables.items()}
+
+    def take_new_pages(self, partition: int | None = None) -> dict[str, list[int]]:
+        """Pages (per group) assigned to a new logical page since the last call, for StepBatch.new_pages."""
+        self._require_init()
+        if partition is None:
+            if self.num_partitions > 1:
+                raise ValueError(f"take_new_pages needs a partition: page ids are per partition "
+                                 f"(there are {self.num_partitions})")
+            partition = 0
+        queued = self._new_pages[self._check_partition(partition)]
+        self._new_pages[partition] = {s.name: [] for s in self.specs}
+        return {name: list(dict.fromkeys(pages)) for name, pages in queued.items()}
+
+    def partition_of(self, request_id: str) -> int:
+        return self._get(request_id).partition
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens served by the prefix cache (usage.cached_prompt_tokens)."""
+        return self._get(request_id).num_cached
+
+    def num_free_blocks(self, group: str | None = None, partition: int | None = None) -> int:
+        """Free plus evictable pages of a group (default: the first group), on one or all partitions."""
+        return sum(pools[self._group_name(group)].num_free for pools in self._partitions(partition))
+
+    def num_total_blocks(self, group: str | None = None, partition: int | None = None) -> int:
+        return sum(pools[self._group_name(group)].num_pages for pools in self._partitions(partition))
+
+    def page_refcount(self, group: str, page: int, partition: int = 0) -> int:
+        return self._partitions(partition)[0][self._group_name(group)].refcount(page)
+
+    def is_cached_page(self, group: str, page: int, partition: int = 0) -> bool:
+        return self._partitions(partition)[0][self._group_name(group)].is_cached(page)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _demand(self, seq: _Seq, target: int) -> dict[str, tuple[range, int]]:
+        """Per group: logical pages to assign so that tokens [0, target) can be computed, and pages available."""
+        pools = self._pools[seq.partition]
+        demand = {}
+        for s in self.specs:
+            pool, tpp, mbps = pools[s.name], s.tokens_per_page, s.max_blocks_per_seq
+            end = -(-target // tpp)
+            if s.is_ring:
+                start = min(seq.num_computed // tpp, s.live_logical_pages(target).start)
+                if end - start > mbps:
+                    raise ValueError(
+                        f"request {seq.request_id!r}: tokens [{seq.num_computed}, {target}) need logical pages "
+                        f"[{start}, {end}) of ring group {s.name!r}, more than its {mbps} slots; a step must not "
+                        f"exceed tokens_in_flight")
+            elif end > mbps:
+                raise ValueError(f"request {seq.request_id!r}: {target} tokens need {end} pages of group "
+                                 f"{s.name!r}, more than max_blocks_per_seq {mbps} (max_model_len)")
+            new = range(seq.num_pages[s.name], max(seq.num_pages[s.name], end))
+            free = pool.num_free
+            if s.is_ring:   # pages this request releases from reused slots become free for its own takes
+                table = seq.tables[s.name]
+                free += sum(1 for lg in new if table[lg % mbps] >= 0 and pool.refcount(table[lg % mbps]) == 1)
+            demand[s.name] = (new, free)
+        return demand
+
+    def _raise_capacity(self, seq: _Seq, num_new_tokens: int, demand: dict[str, tuple[range, int]]) -> None:
+        need = {name: len(new) for name, (new, _) in demand.items()}
+        free = {name: f for name, (_, f) in demand.items()}
+        detail = "; ".join(f"{name}: need {need[name]}, free {free[name]}" for name in need)
+        raise KvCapacityError(
+            f"cannot allocate {num_new_tokens} tokens for request {seq.request_id!r} (computed {seq.num_computed}) "
+            f"on partition {seq.partition}: {detail}", need, free)
+
+    def _longest_hit(self, pools: dict[str, BlockPool], hashes: list[bytes]) -> int:
+        """Most whole blocks every group can serve from the cache."""
+        blocks = len(hashes)
+        for s in self.specs:
+            if not s.is_ring:
+                per_block, logical = self.block_size // s.tokens_per_page, 0
+                while logical < blocks * per_block and self._lookup(pools, s, hashes, logical) is not None:
+                    logical += 1
+                blocks = min(blocks, logical // per_block)
+        rings = [s for s in self.specs if s.is_ring]
+        while blocks and not all(self._lookup(pools, s, hashes, lg) is not None
+                                 for s in rings for lg in self._hit_pages(s, blocks)):
+            blocks -= 1
+        return blocks
+
+    def _hit_pages(self, spec: CacheGroupSpec, blocks: int) -> range:
+        """Logical pages a hit of `blocks` blocks shares: all of them (full), the live tail (ring)."""
+        live = spec.live_logical_pages(blocks * self.block_size)
+        return live if not spec.is_ring else live[-spec.max_blocks_per_seq:]
+
+    def _lookup(self, pools: dict[str, BlockPool], spec: CacheGroupSpec, hashes: list[bytes], logical: int) -> int | None:
+        per_block = self.block_size // spec.tokens_per_page
+        return pools[spec.name].lookup((hashes[logical // per_block], logical % per_block))
+
+    def _share_hit(self, seq: _Seq, pools: dict[str, BlockPool], blocks: int) -> None:
+        for s in self.specs:
+            table = seq.tables[s.name]
+            for logical in self._hit_pages(s, blocks):
+                page = self._lookup(pools, s, seq.hashes, logical)
+                pools[s.name].share(page)
+                if s.is_ring:
+                    slot = logical % s.max_blocks_per_seq
+                    table[slot], seq.slot_logical[s.name][slot] = page, logical
+                else:
+                    table.append(page)
+            seq.num_pages[s.name] = blocks * self.block_size // s.tokens_per_page
+        seq.num_computed = seq.num_reserved = seq.num_cached = seq.tokens_covered = blocks * self.block_size
+        seq.num_registered_blocks = blocks
+
+    def _least_loaded(self) -> int:
+        first = self.specs[0].name
+        return min(range(self.num_partitions),
+                   key=lambda p: (self._num_seqs[p], self._pools[p][first].num_used, p))
+
+    def _add_seq(self, request_id: str) -> _Seq:
+        seq = self._seqs[request_id] = _Seq(request_id, self._least_loaded(), self.specs)
+        self._num_seqs[seq.partition] += 1
+        return seq
+
+    def _remove_seq(self, seq: _Seq) -> None:
+        del self._seqs[seq.request_id]
+        self._num_seqs[seq.partition] -= 1
+
+    def _get(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} holds no KV-cache pages (unknown or already freed)")
+        return seq
+
+    def _require_init(self) -> None:
+        if not self._pools:
+            raise RuntimeError("KvCacheManager.initialize() has not been called")
+
+    def _check_partition(self, partition: int) -> int:
+        if not 0 <= partition < self.num_partitions:
+            raise ValueError(f"partition {partition} out of range [0, {self.num_partitions})")
+        return partition
+
+    def _partitions(self, partition: int | None) -> list[dict[str, BlockPool]]:
+        self._require_init()
+        return self._pools if partition is None else [self._pools[self._check_partition(partition)]]
+
+    def _group_name(self, group: str | None) -> str:
+        if group is None:
+            return self.specs[0].name
+        if group not in self._pools[0]:
+            raise KeyError(f"unknown cache group {group!r}; groups: {[s.name for s in self.specs]}")
+        return group

@@ -1,0 +1,274 @@
+"""The engine: a loop thread that schedules, runs the device step, samples, streams, and frees.
+
+Thread model: callers (gRPC handlers, the offline API) only touch the thread-safe inbox (`submit`,
+`abort`); the loop thread owns the scheduler, the KvCacheManager and the device runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.request import (
+    EngineUnavailableError,
+    FinishReason,
+    QueueFullError,
+    RequestError,
+    RequestLimits,
+    RequestOutput,
+    SamplingParams,
+    validate_request,
+)
+from appliance.core.startup_report import StartupReport
+from appliance.core.tables import startup_report_table
+from appliance.core.tokenizer import load_tokenizer_for
+from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.scheduler import ScheduledSeq, Scheduler
+from appliance.engine.sequence import Sequence
+from npu.launcher import launch
+from npu.sampler import Sampler
+from npu.step import SeqStep, StepBatch
+
+log = logging.getLogger("appliance.engine.loop")
+
+
+class RequestHandle:
+    """Iterate to receive a request's deltas (blocking); the last one carries finish_reason and usage."""
+
+    def __init__(self, engine: "Engine", request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.outputs: queue.Queue[RequestOutput] = queue.Queue()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self.outputs.get()
+            yield out
+            if out.finished:
+                return
+
+    def abort(self) -> None:
+        self.engine.abort(self.request_id)
+
+
+class Engine:
+    def __init__(self, rc: RuntimeConfig):
+        self.rc = rc
+        self.report: StartupReport | None = None
+        self.tokenizer = None
+        self.kv_cache_manager = None
+        self.scheduler: Scheduler | None = None
+        self._runner = None
+        self._sampler = None
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._draining = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.limits = RequestLimits(rc.model.layout.vocab_size, rc.max_model_len)
+        self.steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.report is not None and not self._draining
+
+    def start(self) -> StartupReport:
+        """Launch the device plane (weights, profile, plan, allocate), size the KV manager, start the loop."""
+        self.tokenizer = load_tokenizer_for(self.rc.model)
+        runner, report = launch(self.rc)
+        manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
+                                 enable_prefix_caching=self.rc.enable_prefix_caching)
+        manager.initialize_from_plan(report.plan)
+        self._runner, self.kv_cache_manager = runner, manager
+        self._sampler = Sampler(runner.device, self.rc.seed)
+        self.scheduler = Scheduler(self.rc, manager)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+        for line in startup_report_table(report).splitlines():
+            log.info(line)
+        self.report = report
+        return report
+
+    def drain(self, grace_s: float) -> None:
+        """Stop admitting; let in-flight requests finish for up to grace_s, then abort the rest."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._in_flight:
+                    return
+            time.sleep(0.01)
+        with self._lock:
+            remaining = list(self._in_flight)
+        for request_id in remaining:
+            self.abort(request_id)
+        while time.monotonic() < deadline + 5:
+            with self._lock:
+                if not self._in_flight:
+                    return
+            time.sleep(0.01)
+
+    def shutdown(self) -> None:
+        self._draining = True
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._runner is not None:
+            self._runner.free_pools()
+        self._runner = None
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        if self.report is None or self._draining:
+            raise EngineUnavailableError("the engine is starting" if self.report is None else "the engine is draining")
+        prompt_ids = self._validate(request_id, prompt, params)
+        handle = RequestHandle(self, request_id)
+        seq = Sequence(request_id, prompt_ids, params, on_output or handle.outputs.put)
+        with self._lock:
+            if request_id in self._in_flight:
+                raise RequestError("request_id", f"{request_id!r} is already in flight")
+            if len(self._in_flight) >= self.rc.max_waiting_requests + self.rc.max_num_seqs:
+                raise QueueFullError(
+                    f"{len(self._in_flight)} requests in flight; the wait queue holds {self.rc.max_waiting_requests}")
+            self._in_flight.add(request_id)
+        self._inbox.put(("add", seq))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _validate(self, request_id: str, prompt: str | list[int], p: SamplingParams) -> list[int]:
+        return validate_request(request_id, prompt, p, self.limits, self.tokenizer.encode)
+
+    # -- introspection (tests, metrics) --------------------------------------------------------------
+    def kv_free_blocks(self) -> dict[str, int]:
+        return {s.name: self.kv_cache_manager.num_free_blocks(s.name) for s in self.rc.model.cache_groups}
+
+    def kv_total_blocks(self) -> dict[str, int]:
+        return {s.name: self.kv_cache_manager.num_total_blocks(s.name) for s in self.rc.model.cache_groups}
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        by_id: dict[str, Sequence] = {}
+        while not self._stop.is_set():
+            if sched.has_work():
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    kind = None
+            else:
+                kind, item = self._inbox.get()  # idle: block until a request (or shutdown) arrives
+            while kind is not None:
+                if kind == "add":
+                    by_id[item.request_id] = item
+                    sched.add(item)
+                elif kind == "abort" and item in by_id:
+                    self._finish(by_id.pop(item), FinishReason.ABORTED)
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    kind = None
+            if self._stop.is_set():
+                break
+            scheduled = sched.schedule()
+            if not scheduled:
+                continue
+            for seq in self._run_step(scheduled):
+                by_id.pop(seq.request_id, None)
+        for seq in list(by_id.values()):
+            self._finish(seq, FinishReason.ABORTED)
+
+    def _run_step(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+        """Run one step; a failing step is retried one sequence at a time so a bad request fails alone."""
+        try:
+            return self._execute(scheduled)
+        except Exception:
+            log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
+        finished: list[Sequence] = []
+        for item in scheduled:
+            try:
+                finished += self._execute([item])
+            except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+                item.seq.error = f"{type(exc).__name__}: {exc}"
+                self._finish(item.seq, FinishReason.ABORTED)
+                finished.append(item.seq)
+        return finished
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+        kv = self.kv_cache_manager
+        batch = StepBatch(
+            seqs=[SeqStep(request_id=s.seq.request_id,
+                          token_ids=s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
+                          start_pos=s.seq.num_computed_tokens, block_tables=kv.block_tables(s.seq.request_id),
+                          sample=s.samples) for s in scheduled],
+            new_pages=kv.take_new_pages())
+        logits = self._runner.execute(batch)
+        samplers = [s for s in scheduled if s.samples]
+        tokens = self._sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
+        self.steps += 1
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            kv.commit(s.seq.request_id, s.seq.num_computed_tokens)
+        finished = []
+        for s, token in zip(samplers, tokens):
+            if self._append(s.seq, token):
+                finished.append(s.seq)
+        return finished
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append a sampled token, apply stop rules, stream the delta. True when the sequence finished."""
+        p = seq.params
+        seq.append_token(token)
+        if token == self.tokenizer.eos_token_id and not p.ignore_eos:
+            seq.finish_reason = FinishReason.EOS
+        elif token in p.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.rc.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):   # those tokens add no text
+            if seq.detokenizer is None:
+                seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)
+            delta = seq.detokenizer.push(token)
+            seq.text += delta
+            if p.stop:
+                # Only the new text, plus what a stop string could straddle, can hold a new match.
+                longest = max(len(s) for s in p.stop)
+                start = max(0, len(seq.text) - len(delta) - longest + 1)
+                hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+                if hits:
+                    seq.text = seq.text[:min(hits)]
+                    seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason, [token], seq.text[seq.num_text_emitted:])
+            return True
+        # Hold back a tail that may still become a stop string.
+        visible = len(seq.text)
+        if p.stop:
+            visible -= max(len(s) for s in p.stop) - 1
+        new_text = seq.text[seq.num_text_emitted:max(visible, seq.num_text_emitted)]
+        seq.num_text_emitted += len(new_text)
+        seq.emit([token], new_text)
+        return False
+
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int] | None = None,
+                new_text: str = "") -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self._sampler.release(seq.request_id)
+        seq.num_text_emitted += len(new_text)
+        with self._lock:
+            self._in_flight.discard(seq.request_id)
+        seq.emit(new_tokens or [], new_text)

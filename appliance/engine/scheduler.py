@@ -1,0 +1,143 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Every sequence computes its pending tokens (prompt chunks, or the one token sampled last step), bounded by
+the step's token budget (max_num_batched_tokens), the per-step chunk cap (layout.tokens_in_flight for ring
+caches), max_num_seqs running at once, and decode_batch decode rows per step (round robin). A request is
+admitted only when the KvCacheManager gives every cache group its pages atomically; when pages run out
+while running, the newest running request is preempted (blocks freed, recomputed later) and waiting
+requests are readmitted in arrival order, so none starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from appliance.core.config import RuntimeConfig
+from appliance.engine.kv_cache_manager import KvCapacityError
+from appliance.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last known token, so its logits give the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, rc: RuntimeConfig, kv_cache_manager):
+        self.kv = kv_cache_manager
+        self.max_num_seqs = rc.max_num_seqs
+        self.max_num_batched_tokens = rc.max_num_batched_tokens
+        self.decode_batch = rc.decode_batch
+        in_flight = rc.model.layout.tokens_in_flight
+        self.chunk_cap = min(in_flight, rc.max_num_batched_tokens) if in_flight else rc.max_num_batched_tokens
+        self.block_size = rc.block_size
+        self.enable_prefix_caching = rc.enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and give all its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SeqStatus.FINISHED
+
+    def _chunk(self, start: int, pending: int, budget: int) -> int:
+        """Tokens to compute now. A partial prefill chunk ends on a block boundary, so that every chunk
+        starts page-aligned and a ring group never needs more than its max_blocks_per_seq slots."""
+        n = min(pending, budget, self.chunk_cap)
+        if n < pending:
+            n = (start + n) // self.block_size * self.block_size - start
+        return max(n, 0)
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Pages for the next tokens in every group at once, or nothing."""
+        try:
+            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens)
+            return True
+        except KvCapacityError:
+            return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Running sequences all arrived before every waiting one, so the front keeps arrival order.
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        self.step += 1
+        budget = self.max_num_batched_tokens
+        decode_rows = self.decode_batch
+        scheduled: list[ScheduledSeq] = []
+
+        # Running sequences, oldest first; decode rows go to those that waited longest for one.
+        self.running.sort(key=lambda s: s.arrival)
+        decoders = sorted((s for s in self.running if s.num_pending_tokens == 1),
+                          key=lambda s: (s.last_scheduled_step, s.arrival))
+        allowed_decoders = {id(s) for s in decoders[:decode_rows]}
+        for seq in list(self.running):
+            if budget == 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
+            if n == 0 or (seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders):
+                continue
+            while not self._allocate(seq, n):
+                victim = self.running[-1]  # newest
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                if n == 1:
+                    decode_rows -= 1
+
+        # Waiting sequences, strictly in order: the head is never overtaken.
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if self.enable_prefix_caching:
+                cached = self.kv.match_prefix(seq.request_id, seq.token_ids)
+            else:
+                cached = 0
+            n = self._chunk(cached, seq.num_tokens - cached, budget)
+            if n == 0 or (n == 1 and decode_rows == 0):
+                self.kv.free(seq.request_id)
+                break
+            if not self._allocate(seq, n):
+                self.kv.free(seq.request_id)
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            if n == 1:
+                decode_rows -= 1
+
+        for item in scheduled:
+            item.seq.last_scheduled_step = self.step
+        return scheduled

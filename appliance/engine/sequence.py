@@ -1,0 +1,69 @@
+"""A request as the engine tracks it: tokens, progress through prefill and decode, sampling, streaming."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+from typing import Callable
+
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
+
+_arrival = itertools.count()
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # holds KV blocks: prefilling (possibly chunked) or decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 on_output: Callable[[RequestOutput], None]):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step (read every step)
+        self.detokenizer = None            # set by the engine: turns each new token into a text delta
+        self.params = params
+        self.on_output = on_output
+        self.arrival = next(_arrival)
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0       # tokens whose KV is in the cache
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit of the first admission
+        self.num_preemptions = 0
+        self.last_scheduled_step = -1
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.text = ""                     # detokenized output so far
+        self.num_text_emitted = 0          # characters of text already streamed
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + outputs (a live list: read it, do not change it)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, len(self.output_token_ids), self.num_cached_prompt_tokens)
+
+    def emit(self, new_token_ids: list[int], new_text: str) -> None:
+        finished = self.finish_reason is not None
+        self.on_output(RequestOutput(
+            request_id=self.request_id, new_token_ids=tuple(new_token_ids), new_text=new_text,
+            finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error))

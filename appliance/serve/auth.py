@@ -1,0 +1,44 @@
+"""Bearer-token authentication for the gRPC server: constant-time comparison, health left open for probes."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import grpc
+
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)   # answered without a token so that probes work
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without "authorization: Bearer <token>" with UNAUTHENTICATED; health stays open."""
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES):
+        self._expected = f"Bearer {token}".encode()
+        self._open_prefixes = open_prefixes
+
+    def authorized(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key.lower() == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self._open_prefixes) \
+                or self.authorized(details.invocation_metadata):
+            return handler
+        return _deny_handler(handler, "missing or wrong bearer token (send metadata authorization: Bearer <token>)")
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kind[(handler.request_streaming, handler.response_streaming)]
+    return make(deny, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+

@@ -1,0 +1,120 @@
+"""Proto <-> core conversions, in one place for the server and the client (both directions of every enum).
+
+StartupReport -> StartupResponse, SamplingParams <-> proto SamplingParams, GenerateRequest -> prompt,
+RequestOutput <-> GenerateResponse.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from appliance.core.request import (
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Usage,
+)
+from appliance.core.startup_report import StartupReport
+from appliance.serve.api import appliance_pb2 as pb
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH.items()}
+_HISTORY = {"ring": pb.HISTORY_KIND_RING, "full": pb.HISTORY_KIND_FULL}
+HISTORY_NAMES = {v: k for k, v in _HISTORY.items()}      # proto enum -> "ring" | "full"
+
+
+def startup_response(report: StartupReport) -> pb.StartupResponse:
+    """The Startup answer: everything the engine resolved and allocated, from its StartupReport."""
+    plan = report.plan
+    return pb.StartupResponse(
+        model_name=report.model_name, arch=report.arch, device_kind=report.device_kind,
+        device_count=report.device_count, npu_memory_utilization=plan.utilization,
+        decode_batch=plan.decode_batch, block_size=plan.block_size, max_model_len=plan.max_model_len,
+        devices=[pb.DeviceMemory(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
+                                 peak_non_kv_bytes=d.peak_non_kv_bytes, usable_bytes=d.usable_bytes,
+                                 budget_bytes=d.budget_bytes, headroom_bytes=d.headroom_bytes)
+                 for d in plan.devices],
+        scratch_bytes=plan.scratch_bytes, bytes_per_slot=plan.bytes_per_slot, capacity_slots=plan.capacity_slots,
+        max_concurrency=plan.max_concurrency, kv_tokens_per_device=plan.kv_tokens_per_device,
+        limiting_device=plan.limiting_device, budget_bytes=plan.budget_bytes, kv_cache_bytes=plan.kv_cache_bytes,
+        cache_groups=[pb.CacheGroup(name=g.name, layers=g.num_layers, rows_per_block=g.rows_per_block,
+                                    page_size_bytes=g.page_size_bytes, max_blocks_per_seq=g.max_blocks_per_seq,
+                                    num_blocks=g.num_blocks, total_bytes=g.bytes, share_of_budget=g.share_of_budget,
+                                    history=_HISTORY.get(g.history, pb.HISTORY_KIND_UNSPECIFIED))
+                      for g in plan.groups],
+        resolved_config_yaml=report.resolved_config_yaml, weights=report.weights, override=plan.override or "",
+        load_seconds=report.load_seconds, profile_seconds=report.profile_seconds,
+        allocate_seconds=report.allocate_seconds, notes=list(report.notes),
+    )
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """Proto sampling -> engine SamplingParams; unset optional fields take the engine's defaults."""
+    default = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else default.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+    )
+
+
+def request_prompt(req: pb.GenerateRequest) -> str | list[int]:
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        return req.text
+    if which == "token_ids":
+        return list(req.token_ids.ids)
+    raise RequestError("prompt", "set either prompt text or token_ids")
+
+
+def generate_response(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text)
+    if out.finish_reason is not None:
+        msg.finish_reason = _FINISH[FinishReason(out.finish_reason)]
+    if out.usage is not None:
+        msg.usage.prompt_tokens = out.usage.prompt_tokens
+        msg.usage.completion_tokens = out.usage.completion_tokens
+        msg.usage.cached_prompt_tokens = out.usage.cached_prompt_tokens
+    return msg
+
+
+def to_output(msg: pb.GenerateResponse) -> RequestOutput:
+    """A GenerateResponse as the engine's RequestOutput, so gRPC and offline results compare directly."""
+    usage = None
+    if msg.HasField("usage"):
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
+    return RequestOutput(request_id=msg.request_id, new_token_ids=tuple(msg.token_ids), new_text=msg.text,
+                         finish_reason=_FINISH_FROM_PB.get(msg.finish_reason), usage=usage)
+
+
+def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+                     top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> pb.SamplingParams:
+    """Proto sampling from keywords; None leaves an optional field unset (the server's default applies)."""
+    msg = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    if top_p is not None:
+        msg.top_p = top_p
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def generate_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling_message(**sampling))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req

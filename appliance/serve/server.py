@@ -1,0 +1,303 @@
+"""gRPC server (mode=serve): Startup, streaming Generate, grpc.health.v1, reflection, TLS, bearer token.
+
+Why grpc.aio: every open Generate stream is one coroutine waiting on an asyncio.Queue, so thousands of
+concurrent streams cost no threads. A sync server would pin one worker thread per open stream, and
+max_num_seqs + max_waiting_requests streams (272 by default) would need that many threads. The engine
+thread hands each delta to the event loop with call_soon_threadsafe; blocking engine calls (start, submit,
+drain, shutdown) run off the loop, so health checks and Startup answer while the engine loads.
+
+Lifecycle of `serve(rc)`: bind (print "listening on HOST:PORT"), health NOT_SERVING -> engine.start() in a
+thread -> print the startup report and write startup_report.json -> health SERVING. On SIGTERM/SIGINT:
+health NOT_SERVING, refuse new Generate calls (UNAVAILABLE), engine.drain(grace_period_s), stop the gRPC
+server, engine.shutdown(), return (exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.request import (
+    EngineUnavailableError,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+)
+from appliance.core.startup_report import StartupReport
+from appliance.modes.results import write_result
+from appliance.serve.api import appliance_pb2 as pb
+from appliance.serve.api import appliance_pb2_grpc as pb_grpc
+from appliance.serve.auth import BearerTokenInterceptor
+from appliance.serve.convert import (
+    generate_response,
+    request_prompt,
+    sampling_params,
+    startup_response,
+)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
+HEALTH_SERVICES = ("", SERVICE_NAME)
+FLUSH_GRACE_S = 2.0          # after the drain: time for the last messages of finished streams to go out
+
+
+def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
+    """Merge deltas that queued up while the stream was busy: one message instead of many when the client or
+    the event loop falls behind the engine (the concatenation of deltas stays the same)."""
+    while not out.finished and out.error is None and not queue.empty():
+        nxt = queue.get_nowait()
+        out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
+                            nxt.finish_reason, nxt.usage, nxt.error)
+    return out
+
+
+
+
+
+# -- service -------------------------------------------------------------------------------------------
+
+class ApplianceService(pb_grpc.ApplianceServicer):
+    """The two RPCs; reads the server's state (starting / serving / draining) through `server`."""
+
+    def __init__(self, server: "ApplianceServer"):
+        self._server = server
+
+    async def Startup(self, request: pb.StartupRequest, context: grpc.aio.ServicerContext) -> pb.StartupResponse:
+        srv = self._server
+        if not srv.ready.is_set():
+            timeout = context.time_remaining()
+            timeout = srv.rc.server.startup_timeout_s if timeout is None else max(timeout - 0.05, 0.0)
+            try:
+                await asyncio.wait_for(srv.ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the engine is still starting after {timeout:.1f} s")
+        if srv.start_error is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine start failed: {srv.start_error}")
+        return srv.startup_message
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        srv = self._server
+        if srv.state != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is {srv.state}; retry when health is SERVING")
+        request_id = request.request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:        # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:
+            prompt = request_prompt(request)
+            params = sampling_params(request.sampling)
+            submit = loop.run_in_executor(srv.executor, srv.engine.submit, request_id, prompt, params, on_output)
+            try:
+                handle = await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                # The client went away while submit ran: abort the request as soon as it exists.
+                submit.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
+                raise
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                                trailing_metadata=(("invalid-field", exc.field),))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"wait queue full: {exc}")
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}")
+
+        finished = False
+        try:
+            # Headers go out at once: the client learns the request was accepted (queued) and its id.
+            await context.send_initial_metadata((("request-id", request_id),))
+            while not finished:
+                out = coalesce(await queue.get(), queue)
+                finished = out.finished
+                if out.error is not None:
+                    finished = True
+                    if out.new_token_ids or out.new_text:
+                        yield generate_response(RequestOutput(out.request_id, out.new_token_ids, out.new_text))
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"request {request_id} failed inside the engine: {out.error}")
+                yield generate_response(out)
+        finally:
+            if not finished:      # client cancel, deadline, or server stop: free its blocks now
+                handle.abort()
+
+
+class ServerBindError(OSError):
+    """server.host:server.port cannot be bound."""
+
+
+# -- server --------------------------------------------------------------------------------------------
+
+class ApplianceServer:
+    """One gRPC server around one engine. `run()` is the whole lifecycle; `request_shutdown()` ends it."""
+
+    def __init__(self, rc: RuntimeConfig, engine: Any, output_dir: Path | None = None):
+        self.rc = rc
+        self.engine = engine
+        self.output_dir = output_dir                 # where startup_report.json goes (the Hydra job dir)
+        self.state = "starting"                      # starting | serving | draining | stopped
+        self.report: StartupReport | None = None
+        self.startup_message: pb.StartupResponse | None = None
+        self.start_error: BaseException | None = None
+        self.port: int | None = None
+        self.executor = ThreadPoolExecutor(max_workers=rc.server.workers, thread_name_prefix="grpc-submit")
+        self.ready: asyncio.Event | None = None      # set when the engine start finished (well or not)
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        host = self.rc.server.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def request_shutdown(self) -> None:
+        """Thread-safe: begin the graceful shutdown (what SIGTERM/SIGINT do)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def run(self, install_signal_handlers: bool = False) -> dict[str, Any]:
+        self._loop = asyncio.get_running_loop()
+        self.ready, self._stop = asyncio.Event(), asyncio.Event()
+        if install_signal_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._stop.set)
+        await self._start_grpc()
+        start = self._start_engine()
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done() or start.exception() is not None:
+            stop.cancel()
+        if not start.done():                         # stopped while the engine was still starting
+            print("shutdown requested during engine start; stopping without serving", flush=True)
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.state = "stopped"
+            await self._server.stop(0)
+            self.executor.shutdown(wait=False)
+            return {"status": "interrupted", "mode": "serve", "address": self.address}
+        if start.exception() is not None:
+            self.start_error = start.exception()
+            self.ready.set()
+            await self._server.stop(FLUSH_GRACE_S)
+            self.executor.shutdown(wait=False)
+            raise self.start_error
+        await self._on_started(start.result())
+        await stop
+        await self._shutdown()
+        return {"status": "ok", "mode": "serve", "address": self.address,
+                "capacity_slots": self.report.capacity_slots}
+
+    async def _start_grpc(self) -> None:
+        srv = self.rc.server
+        options = [("grpc.max_send_message_length", srv.max_message_bytes),
+                   ("grpc.max_receive_message_length", srv.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
+        interceptors = [BearerTokenInterceptor(srv.auth_token)] if srv.auth_token else []
+        self._server = grpc.aio.server(options=options, interceptors=interceptors)
+        pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        bind = f"[{srv.host}]:{srv.port}" if ":" in srv.host else f"{srv.host}:{srv.port}"
+        port = 0
+        try:
+            if srv.tls_cert_file:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(srv.tls_key_file).read_bytes(), Path(srv.tls_cert_file).read_bytes())])
+                port = self._server.add_secure_port(bind, creds)
+            else:
+                port = self._server.add_insecure_port(bind)
+        except RuntimeError:          # grpc raises "Failed to bind"; older releases return 0
+            pass
+        if not port:
+            raise ServerBindError(f"cannot listen on server.host:server.port {bind}: the port is in use or the "
+                                  f"host is not an address of this machine")
+        self.port = port
+        await self._server.start()
+        tls = "TLS" if srv.tls_cert_file else "plaintext"
+        print(f"listening on {self.address} ({tls}{', bearer token' if srv.auth_token else ''}); "
+              f"health NOT_SERVING while the engine starts", flush=True)
+
+    def _start_engine(self) -> asyncio.Future:
+        """engine.start() in a daemon thread: it blocks for minutes on big models, and a shutdown requested
+        meanwhile must not wait for it (the process exits; the OS frees the device)."""
+        loop, fut = self._loop, self._loop.create_future()
+
+        def settle(result: Any, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+        def target() -> None:
+            try:
+                result, exc = self.engine.start(), None
+            except BaseException as e:      # noqa: BLE001 - handed to the event loop, re-raised there
+                result, exc = None, e
+            try:
+                loop.call_soon_threadsafe(settle, result, exc)
+            except RuntimeError:           # loop already closed: the server stopped during start
+                pass
+
+        threading.Thread(target=target, name="engine-start", daemon=True).start()
+        return fut
+
+    async def _on_started(self, report: StartupReport) -> None:
+        self.report = report if report is not None else self.engine.report
+        self.startup_message = startup_response(self.report)
+        # The engine has logged the capacity table (Hydra's job logging shows it on the terminal).
+        path = write_result(self.output_dir, "startup_report.json", self.report.to_dict())
+        if path:
+            print(f"startup report written to {path}", flush=True)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.state = "serving"
+        self.ready.set()
+        print(f"SERVING on {self.address}", flush=True)
+
+    async def _shutdown(self) -> None:
+        grace = self.rc.server.grace_period_s
+        print(f"shutting down: health NOT_SERVING, draining for up to {grace} s", flush=True)
+        self.state = "draining"
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._loop.run_in_executor(None, self.engine.drain, grace)
+        await self._server.stop(FLUSH_GRACE_S)
+        self.state = "stopped"
+        await self._loop.run_in_executor(None, self.engine.shutdown)
+        self.executor.shutdown(wait=False)
+        print("stopped", flush=True)
+
+    async def _set_health(self, status: int) -> None:
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, status)
+
+
+def serve(rc: RuntimeConfig, engine: Any = None, output_dir: Path | None = None) -> dict[str, Any]:
+    """mode=serve: run the server until SIGTERM/SIGINT; raises InsufficientMemoryError if the engine cannot fit."""
+    if engine is None:
+        from appliance.engine.loop import (
+            Engine,  # imported here: torch loads only when serving for real
+        )
+        engine = Engine(rc)
+    try:
+        result = asyncio.run(ApplianceServer(rc, engine, output_dir).run(install_signal_handlers=True))
+    except ServerBindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.stdout.flush()
+    return result
