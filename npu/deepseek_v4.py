@@ -174,7 +174,7 @@ class DeepseekV4Runner(ModelRunner):
         """The first `width` values of each row (as dtype, default the model's); zeros where rows.ok is
         False, so stale or NaN contents of pages never leak into the math."""
         spec, pool, dtype = self.model.group(group), self.pools[group], dtype or self.dtype
-        raw = pool[rows.page, self.layer_index[group][layer], rows.row]
+        raw = pool[self.layer_index[group][layer], rows.page, rows.row]
         if pool.dtype.is_floating_point:
             values = raw[..., :width].to(dtype)
         else:   # int rows with an fp32 scale in the extra bytes
@@ -191,7 +191,7 @@ class DeepseekV4Runner(ModelRunner):
             scale = values.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
             q = (values.float() / scale).round().clamp(-qmax, qmax).to(pool.dtype)
             data = torch.cat([q, scale.view(pool.dtype)], dim=-1)
-        pool[rows.page, self.layer_index[group][layer], rows.row, :data.shape[-1]] = data
+        pool[self.layer_index[group][layer], rows.page, rows.row, :data.shape[-1]] = data
 
     # -- step plan ---------------------------------------------------------------------------------
     def _plan(self, batch: StepBatch) -> _StepPlan:

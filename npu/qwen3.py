@@ -1,6 +1,6 @@
 """Qwen3 over one paged KV group, in plain torch; Hugging Face parameter names, so HF checkpoints load as is.
 
-Pool "kv": [pages, num_layers, block_size, 2 * kv_heads * head_dim], each row K then V of one token.
+Pool "kv": [num_layers, pages, block_size, 2 * kv_heads * head_dim], each row K then V of one token.
 A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP:
 decode tokens first, then prefill chunks. Everything shared by the layers (token rows in the pool,
 rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Attention:
@@ -145,7 +145,7 @@ class Qwen3Runner(ModelRunner):
     def _gather(self, pool: torch.Tensor, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Rows of `pages` for one layer, [len(pages) * block_size, width], copied into a buffer reused across
         layers and steps (a fresh multi-MB tensor per layer costs more in page faults on CPU than the copy)."""
-        src = pool.select(1, layer)                    # [num_pages, block_size, width], strided
+        src = pool[layer]                              # [num_pages, block_size, width], contiguous
         numel = pages.numel() * src.shape[1] * src.shape[2]
         if self._kv_buf.numel() < numel or self._kv_buf.dtype != src.dtype:
             self._kv_buf = torch.empty(numel, dtype=src.dtype, device=self.device)
@@ -167,8 +167,8 @@ class Qwen3Runner(ModelRunner):
             raise ValueError("the kv pool must be contiguous")
         width = pool.shape[-1]
         rows = pool.view(-1, width)
-        page_stride, layer_stride, row_stride = (s // width for s in pool.stride()[:3])
-        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[0], page_stride, row_stride,
+        layer_stride, page_stride, row_stride = (s // width for s in pool.stride()[:3])
+        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], page_stride, row_stride,
                                self._arange, self.dtype, self.device)
         # pool row of every token's K/V, per layer: [layers, tokens]
         writes = meta.write_rows + self._arange(len(self.layers))[:, None] * layer_stride

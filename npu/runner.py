@@ -5,7 +5,9 @@ directory, checked against `expected_weights()` by name, shape and dtype before 
 pools, and how a profiling step's tokens are split over sequences. Each runner adds its math.
 
 Pools are allocated at runtime from the plan: one tensor per cache group shaped
-[num_blocks + num_scratch, num_layers_in_group, rows_per_block, row_width]. Kernels take block tables
+[num_layers_in_group, num_blocks + num_scratch, rows_per_block, row_width], layer-major, so one layer's
+pages (pool[layer]) are contiguous storage: a step reads them with block tables and never copies a
+strided view of the pool (an accelerator would materialize one per layer). Kernels take block tables
 and read strides from these tensors, so no pool size is baked into any shape.
 """
 
@@ -89,7 +91,7 @@ class ModelRunner(ABC):
             for spec in self.model.cache_groups:
                 pages = num_blocks[spec.name] + num_scratch
                 self.pools[spec.name] = torch.zeros(
-                    (pages, spec.num_layers, spec.rows_per_block, self.row_elements(spec)),
+                    (spec.num_layers, pages, spec.rows_per_block, self.row_elements(spec)),
                     dtype=self.pool_dtype(spec), device=self.device)
         except Exception:
             self.free_pools()
@@ -114,7 +116,7 @@ class ModelRunner(ABC):
     def zero_pages(self, group: str, pages: list[int]) -> None:
         pool = self.pools[group]
         for start, stop in contiguous_runs(pages):
-            pool[start:stop].zero_()
+            pool[:, start:stop].zero_()
 
     # -- steps -------------------------------------------------------------------------------------
     @abstractmethod

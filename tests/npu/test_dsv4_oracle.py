@@ -147,7 +147,7 @@ def run_paged(runner: DeepseekV4Runner, lengths, chunk: Callable[[int, int], int
         if check_zeroed:   # every state page assigned in this step holds only written rows and zeros
             for name in runner.state_groups:
                 for page in new_pages.get(name, []):
-                    assert not runner.pools[name][page].isnan().any(), f"{name} page {page} not cleared"
+                    assert not runner.pools[name][:, page].isnan().any(), f"{name} page {page} not cleared"
         sampled = [i for i, s in zip(owners, seqs) if s.sample]
         assert logits.shape == (len(sampled), model().layout.vocab_size)
         for i, row in zip(sampled, logits):
@@ -213,7 +213,7 @@ def test_same_runner_two_pool_sizes_same_outputs():
         runner.allocate_pools(blocks, num_scratch=1)
         fill_pools(runner, "random", seed)
         out.append(run_paged(runner, lengths, lambda i, s: 32, blocks, seed=seed))
-    assert runner.pools["ori"].shape[0] != blocks_for(len(lengths))["ori"] + 1
+    assert runner.pools["ori"].shape[1] != blocks_for(len(lengths))["ori"] + 1
     for length in lengths:
         assert out[0][length][0] == out[1][length][0]
         assert torch.allclose(out[0][length][1], out[1][length][1], atol=1e-6, rtol=0)
@@ -232,7 +232,7 @@ def test_new_state_pages_are_zeroed_and_hold_only_written_rows():
         spec = model().group(name)
         used = 2 * (d if name != "csa_inner_state" else model().layout.index_head_dim)
         for lp in range(math.ceil(n / spec.tokens_per_page)):
-            page = runner.pools[name][tables[name][spec.ring_slot(lp)]]      # [layers, rows, width]
+            page = runner.pools[name][:, tables[name][spec.ring_slot(lp)]]   # [layers, rows, width]
             assert page[..., used:].eq(0).all()                              # unused channels (if any)
             for row in range(spec.rows_per_block):
                 token = lp * spec.tokens_per_page + row
@@ -241,7 +241,7 @@ def test_new_state_pages_are_zeroed_and_hold_only_written_rows():
     # pages never assigned to anyone are left alone (no full-pool clears)
     assigned = set(new["csa_state"])
     untouched = [p for p in range(blocks_for(1)["csa_state"]) if p not in assigned]
-    assert runner.pools["csa_state"][untouched].isnan().all()
+    assert runner.pools["csa_state"][:, untouched].isnan().all()
 
 
 def test_profile_batch_uses_scratch_pages_only():
@@ -260,7 +260,7 @@ def test_profile_batch_uses_scratch_pages_only():
     logits = runner.execute(batch)
     assert logits.shape == (len(batch.seqs), rc.model.layout.vocab_size)
     for name, pool in runner.pools.items():       # real pages untouched
-        assert pool[: blocks[name]].isnan().all(), name
+        assert pool[:, : blocks[name]].isnan().all(), name
 
 
 def test_missing_page_is_a_clear_error():
@@ -338,7 +338,7 @@ def test_int8_indexer_rows_hold_values_and_scale():
         runner.allocate_pools(blocks_for(1), num_scratch=1)
         tables, new = PageAllocator(blocks_for(1), seed=0).step("r", 0, n)
         runner.execute(StepBatch([SeqStep("r", prompt(n), 0, tables)], new))
-        pools.append(runner.pools["idx"][tables["idx"]])               # [pages, layers, rows, width]
+        pools.append(runner.pools["idx"][:, tables["idx"]])            # [layers, pages, rows, width]
     exact, packed = pools
     assert packed.dtype == torch.int8 and packed.shape[-1] == di + 4
     scale = packed[..., di:].contiguous().view(torch.float32)            # [..., 1]

@@ -40,7 +40,7 @@ def test_npu_scale_startup_equals_mode_plan():
     assert (report.device_kind, report.device_count, report.allocation_retries) == ("npu", 16, 0)
     assert report.capacity_slots > 0
     for spec in rc.model.cache_groups:
-        assert runner.pools[spec.name].shape[0] == report.num_blocks[spec.name] + rc.decode_batch
+        assert runner.pools[spec.name].shape[1] == report.num_blocks[spec.name] + rc.decode_batch
         assert runner.pools[spec.name].device.type == "meta"
 
 
@@ -67,7 +67,7 @@ def test_failed_allocation_gives_back_slots_until_it_fits():
     assert [sum(a.values()) for a in runner.allocation_attempts[1:]] == [
         s * sum(g.max_blocks_per_seq for g in rc.model.cache_groups) for s in range(planned.capacity_slots, fits - 1, -1)]
     for g in report.plan.groups:
-        assert runner.pools[g.name].shape[0] == g.num_blocks + rc.decode_batch
+        assert runner.pools[g.name].shape[1] == g.num_blocks + rc.decode_batch
 
 
 def test_profile_shape_caps_deepseek_steps_at_tokens_in_flight():
@@ -105,7 +105,7 @@ def test_tiny_qwen3_on_cpu_reports_exactly_the_planner_result(tiny_qwen3_start):
                              utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
                              max_model_len=rc.max_model_len, block_size=rc.block_size)
     assert report.plan == expected
-    assert runner.pools["kv"].shape[0] == report.num_blocks["kv"] + rc.decode_batch
+    assert runner.pools["kv"].shape[1] == report.num_blocks["kv"] + rc.decode_batch
     assert report.num_blocks["kv"] == report.capacity_slots * rc.model.group("kv").max_blocks_per_seq
     assert report.weights == "random (seed 0)" and report.allocation_retries == 0
 
@@ -132,4 +132,4 @@ def test_tiny_deepseek_v4_starts_on_cpu():
     runner, report = launch(rc, CpuBackend(memory_bytes_per_device=256 * MiB))
     assert report.arch == "deepseek_v4" and report.capacity_slots > 0
     for g in report.plan.groups:
-        assert runner.pools[g.name].shape[0] == g.num_blocks + rc.decode_batch
+        assert runner.pools[g.name].shape[1] == g.num_blocks + rc.decode_batch

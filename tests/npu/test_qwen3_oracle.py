@@ -110,9 +110,9 @@ def test_greedy_tokens_and_logits_match_transformers(runner, hf, prompts):
 
 def test_one_runner_two_pool_sizes_same_outputs(runner, prompts):
     tokens_a, logits_a = drive(runner, prompts, num_blocks=40, seed=1)
-    assert runner.pools["kv"].shape[0] == 40 + 4
+    assert runner.pools["kv"].shape[1] == 40 + 4
     tokens_b, logits_b = drive(runner, prompts, num_blocks=97, seed=2)
-    assert runner.pools["kv"].shape[0] == 97 + 4
+    assert runner.pools["kv"].shape[1] == 97 + 4
     assert tokens_a == tokens_b
     for a, b in zip(logits_a, logits_b):
         assert (a - b).abs().max().item() < 1e-5
