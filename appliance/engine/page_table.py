@@ -23,7 +23,7 @@ under the keys the KvCacheManager docstring describes (cache_key).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.engine.block_pool import BlockPool
