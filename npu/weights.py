@@ -41,6 +41,16 @@ def _mismatch_report(where: str, expected: Expected, found: Mapping[str, TensorH
     return "\n".join(lines)
 
 
+def check_checkpoint_tensors(checkpoint_dir: str | Path, expected: Expected) -> dict[str, TensorHeader]:
+    """The checkpoint's tensor headers, checked against a runner's expected weights from the headers alone (no
+    data read): one CheckpointError listing every missing, unexpected and misshapen tensor."""
+    headers = read_tensor_headers(checkpoint_dir)
+    problem = _mismatch_report(str(checkpoint_dir), expected, headers)
+    if problem:
+        raise CheckpointError(problem)
+    return headers
+
+
 def non_finite_values(t: torch.Tensor) -> int:
     """How many NaN or inf values a tensor holds (0 for integer tensors)."""
     if not t.is_floating_point():
@@ -61,11 +71,7 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     """
     from safetensors import safe_open
 
-    headers = read_tensor_headers(checkpoint_dir)
-    problem = _mismatch_report(str(checkpoint_dir), expected, headers)
-    if problem:
-        raise CheckpointError(problem)
-
+    headers = check_checkpoint_tensors(checkpoint_dir, expected)
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     files = sorted({h.file for h in headers.values()})

@@ -91,7 +91,7 @@ class Engine:
         the loop."""
         checked = self.prepare()
         self.tokenizer = checked.tokenizer
-        runner, report = launch(self.rc, checked.backend)
+        runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
         manager.initialize_from_plan(report.plan)

@@ -3,6 +3,7 @@ naming the file, key or device and the fix, exit status 2, no traceback; the che
 before the port is bound; and a model that cannot fit fails at once, before any weight exists."""
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -119,14 +120,16 @@ def test_hydra_full_error_adds_the_traceback_and_keeps_exit_2(tmp_path, busy_por
 # -- in process: what the preflight returns, and that the engine starts from it --------------------------
 
 def test_preflight_opens_the_backend_once_and_the_engine_starts_from_it():
-    rc = load_runtime_config(["device=cpu", f"device.memory_bytes_per_device={256 << 20}"])
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", f"device.memory_bytes_per_device={256 << 20}"])
     engine = Engine(rc)
     checked = engine.prepare()
     assert engine.prepare() is checked                            # run once (serve calls it before binding)
     assert isinstance(checked.backend, CpuBackend) and checked.tokenizer.vocab_size == rc.model.layout.vocab_size
+    assert checked.runner.pools == {} and checked.runner.weight_tensors() == []   # built, nothing loaded yet
     try:
         report = engine.start()
         assert engine.tokenizer is checked.tokenizer and report.device_kind == "cpu"
+        assert checked.runner.weight_tensors() and checked.runner.pools        # the engine started that runner
     finally:
         engine.shutdown()
 
@@ -136,3 +139,15 @@ def test_preflight_refuses_a_model_that_cannot_fit_and_a_bad_checkpoint(tmp_path
         preflight(load_runtime_config(["+model=qwen3", "device=cpu"]))          # 15 GiB of weights, 1 GiB budget
     with pytest.raises(CheckpointError, match="does not exist"):
         Engine(load_runtime_config(["+model=qwen3_tiny", f"model.weights={tmp_path / 'nope'}"])).start()
+
+
+def test_misshapen_tensors_are_found_from_the_headers_before_loading(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path, load_runtime_config(["+model=qwen3_tiny"]).model, seed=0)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["intermediate_size"]                                # the file no longer says what it holds
+    (ckpt / "config.json").write_text(json.dumps(config))
+    rc = load_runtime_config(["+model=qwen3_tiny", f"model.weights={ckpt}", "model.layout.intermediate_size=96"])
+    with pytest.raises(CheckpointError) as err:
+        preflight(rc)
+    assert "0 missing, 0 unexpected, 6 misshapen" in str(err.value)
+    assert "misshapen  model.layers.0.mlp.up_proj.weight: expected shape [96, 64], found [128, 64]" in str(err.value)
