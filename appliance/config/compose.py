@@ -1,7 +1,8 @@
 """Hydra composition: conf/ + overrides -> DictConfig -> validated, frozen RuntimeConfig (appliance.core.config).
 
 Every rule is checked before any device work, all problems together (ConfigError, each with its key path):
-the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
+first that every key is one the schema defines (appliance.config.schema_keys: a typo names the closest key),
+then the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
 registry (appliance.core.archs).
 """
 
