@@ -15,36 +15,49 @@ from typing import Mapping
 import torch
 from tqdm.auto import tqdm
 
+from appliance.core.checkpoint_files import TensorHeader, read_tensor_headers
 from appliance.core.errors import CheckpointError
 
 log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+RANDN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)   # dtypes torch.randn samples in
 
 
-def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist (model.weights)")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"checkpoint directory {str(root)!r} holds no *.safetensors file")
-    return files
-
-
-def _mismatch_report(where: str, expected: Expected, found: Mapping[str, tuple[tuple[int, ...], Path]]) -> str | None:
+def _mismatch_report(where: str, expected: Expected, found: Mapping[str, TensorHeader]) -> str | None:
+    """Every missing, unexpected and misshapen tensor of a checkpoint against a runner's expected weights."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    misshapen = sorted(n for n in set(expected) & set(found) if tuple(expected[n][0]) != found[n][0])
+    misshapen = sorted(n for n in set(expected) & set(found) if tuple(expected[n][0]) != found[n].shape)
     if not (missing or unexpected or misshapen):
         return None
     lines = [f"checkpoint {where} does not match the model: {len(missing)} missing, {len(unexpected)} unexpected, "
              f"{len(misshapen)} misshapen tensor(s)"]
     lines += [f"  missing    {n}: expected shape {list(expected[n][0])}" for n in missing]
-    lines += [f"  unexpected {n}: shape {list(found[n][0])} in {found[n][1].name}" for n in unexpected]
-    lines += [f"  misshapen  {n}: expected shape {list(expected[n][0])}, found {list(found[n][0])} in "
-              f"{found[n][1].name}" for n in misshapen]
+    lines += [f"  unexpected {n}: shape {list(found[n].shape)} in {found[n].file.name}" for n in unexpected]
+    lines += [f"  misshapen  {n}: expected shape {list(expected[n][0])}, found {list(found[n].shape)} in "
+              f"{found[n].file.name}" for n in misshapen]
+    lines.append("Fix: point model.weights at a checkpoint of this model, or pick the model YAML it was made for")
     return "\n".join(lines)
+
+
+def check_checkpoint_tensors(checkpoint_dir: str | Path, expected: Expected) -> dict[str, TensorHeader]:
+    """The checkpoint's tensor headers, checked against a runner's expected weights from the headers alone (no
+    data read): one CheckpointError listing every missing, unexpected and misshapen tensor."""
+    headers = read_tensor_headers(checkpoint_dir)
+    problem = _mismatch_report(str(checkpoint_dir), expected, headers)
+    if problem:
+        raise CheckpointError(problem)
+    return headers
+
+
+def non_finite_values(t: torch.Tensor) -> int:
+    """How many NaN or inf values a tensor holds (0 for integer tensors)."""
+    if not t.is_floating_point():
+        return 0
+    if t.element_size() == 1:      # float8: isfinite has no kernel; bfloat16 holds every float8 value exactly
+        t = t.to(torch.bfloat16)
+    return int(t.numel() - torch.isfinite(t).sum().item())
 
 
 def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torch.device | str,
@@ -52,35 +65,29 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     """Every expected tensor from the directory's safetensors files, cast to its expected dtype, on `device`.
 
     Names and shapes of every file are checked first (headers only), so a bad checkpoint fails before
-    any data is read, with one error listing every problem.
+    any data is read, with one error listing every problem. Then tensors are read one at a time and cast to
+    their target dtype on the device, so at most one tensor exists in its stored dtype at a time; a tensor
+    holding NaN or inf (after the cast: an fp32 value too large for fp16 becomes inf) is refused by name.
     """
     from safetensors import safe_open
 
-    files = safetensors_files(checkpoint_dir)
-    found: dict[str, tuple[tuple[int, ...], Path]] = {}
-    duplicates: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in found:
-                    duplicates.append(f"{name} (in {found[name][1].name} and {path.name})")
-                found[name] = (tuple(f.get_slice(name).get_shape()), path)
-    if duplicates:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} stores tensors twice: {', '.join(duplicates)}")
-    problem = _mismatch_report(str(checkpoint_dir), expected, found)
-    if problem:
-        raise CheckpointError(problem)
-
+    headers = check_checkpoint_tensors(checkpoint_dir, expected)
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
+    files = sorted({h.file for h in headers.values()})
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
-                dtype = expected[name][1]
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
-                out[name] = t.to(device=device, dtype=dtype, copy=True)
+                t = f.get_tensor(name).to(device=device, dtype=expected[name][1], copy=True)
+                bad = non_finite_values(t)
+                if bad:
+                    raise CheckpointError(
+                        f"checkpoint tensor {name} in {str(path)!r} holds {bad:,} NaN or inf value(s) of "
+                        f"{t.numel():,} (as {str(t.dtype).removeprefix('torch.')}). Fix: use an intact checkpoint; "
+                        f"a conversion that overflowed (e.g. fp32 to fp16) must be redone")
+                out[name] = t
                 bar.update(1)
     bar.close()
     log.info("loaded %d tensors (%.1f MiB) from %d file(s) in %s", len(out),
@@ -104,18 +111,21 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
-    other tensors the model has or the order they are listed in.
+    other tensors the model has or the order they are listed in. Tensors are made one at a time in their
+    target dtype (float8 ones through bfloat16, which randn supports) and moved to the device at once, so
+    the host never holds more than one tensor beyond the ones already placed: never a float32 copy of a model.
     """
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(expected):
         shape, dtype = expected[name]
         if is_norm_weight(name):
-            t = torch.ones(shape, dtype=torch.float32)
+            t = torch.ones(shape, dtype=dtype)
         elif dtype.is_floating_point and not is_norm_bias(name):
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+            sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
+            t = torch.randn(shape, generator=gen, dtype=sample_dtype).mul_(std)
         else:
-            t = torch.zeros(shape, dtype=torch.float32)
+            t = torch.zeros(shape, dtype=dtype)
         out[name] = t.to(device=device, dtype=dtype)
     return out

@@ -1,7 +1,8 @@
 """Hydra composition: conf/ + overrides -> DictConfig -> validated, frozen RuntimeConfig (appliance.core.config).
 
 Every rule is checked before any device work, all problems together (ConfigError, each with its key path):
-the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
+first that every key is one the schema defines (appliance.config.schema_keys: a typo names the closest key),
+then the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
 registry (appliance.core.archs).
 """
 
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture
 from appliance.core.config import (
     BenchSettings,
@@ -42,6 +44,41 @@ DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
+def config_groups() -> set[str]:
+    """The config groups of conf/ (model, device, server, sweep): `group=option` selects a file, not a key."""
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Every override's key must be one the schema defines, before Hydra composes (ConfigError naming the
+    closest valid key); `+` only selects a config group that is not in the defaults list (+model=, +sweep=).
+
+    Hydra's own settings (hydra.*, hydra/...) and overrides Hydra cannot parse are left to Hydra.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return                                   # Hydra reports a malformed override itself
+    groups = config_groups()
+    issues = []
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_hydra_override() or o.package is not None or "/" in key or key in groups:
+            continue
+        value = (o.input_line or "").partition("=")[2] if o.is_sweep_override() else o.value()
+        issue = schema_key_issue(key, value)
+        if issue is None and o.is_add():
+            issue = ConfigIssue(f"+{key}", value, f"'+' adds a key, and {key} already exists: write {key}={value} "
+                                                  f"('+' is only for the groups +model= and +sweep=)")
+        if issue is not None:
+            issues.append(issue)
+    if issues:
+        raise ConfigError(issues)
+
+
 def compose(overrides: list[str] | None = None) -> DictConfig:
     """Compose conf/config.yaml with command-line style overrides, outside a Hydra app (tests, tools)."""
     from hydra import compose as hydra_compose
@@ -49,6 +86,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     schema.register_schema()
+    check_override_keys(list(overrides or []))
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
@@ -118,6 +156,9 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         with open_dict(cfg):
             cfg.model = load_model_config(cfg.default_model)
     checker = _Checker()
+    checker.issues += unknown_key_issues(cfg)
+    if checker.issues:
+        raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     _check_top_level(checker, cfg)
     _check_layout(checker, cfg.model)
     groups = _derive_cache_groups(checker, cfg)

@@ -18,8 +18,16 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
     """
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint_dir} has no config.json")
-    cfg = json.loads(path.read_text())
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} (model.weights) has no config.json. Fix: copy the "
+                              f"checkpoint's config.json next to its *.safetensors files")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
+                              f"checkpoint's config.json") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {type(cfg).__name__}, not an object. "
+                              f"Fix: restore the checkpoint's config.json")
     lay = model.layout
     bad = []
     for file_key, key in architecture(model.arch).config_keys.items():
@@ -34,4 +42,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
     if cfg.get("rope_scaling"):
         bad.append(f"config.json rope_scaling={cfg['rope_scaling']!r} is not supported")
     if bad:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} does not match model {model.name!r}:\n  " + "\n  ".join(bad))
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} does not match model {model.name!r} "
+                              f"({path.name} against model.layout):\n  " + "\n  ".join(bad) +
+                              "\nFix: pick the model YAML this checkpoint was made for (+model=...), or override the "
+                              "disagreeing model.layout keys")

@@ -25,8 +25,8 @@ from appliance.core.request import (
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
-from appliance.core.tokenizer import load_tokenizer_for
 from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
 from npu.launcher import launch
@@ -72,16 +72,26 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.limits = RequestLimits(rc.model.layout.vocab_size, rc.max_model_len)
         self.steps = 0
+        self._preflight: Preflight | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self.report is not None and not self._draining
 
+    def prepare(self) -> Preflight:
+        """Run the startup checks that need no device work (appliance.engine.preflight), once; a server calls
+        this before binding its port, start() otherwise."""
+        if self._preflight is None:
+            self._preflight = preflight(self.rc)
+        return self._preflight
+
     def start(self) -> StartupReport:
-        """Launch the device plane (weights, profile, plan, allocate), size the KV manager, start the loop."""
-        self.tokenizer = load_tokenizer_for(self.rc.model)
-        runner, report = launch(self.rc)
+        """Preflight, launch the device plane (weights, profile, plan, allocate), size the KV manager, start
+        the loop."""
+        checked = self.prepare()
+        self.tokenizer = checked.tokenizer
+        runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
         manager.initialize_from_plan(report.plan)

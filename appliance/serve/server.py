@@ -15,7 +15,9 @@ server, engine.shutdown(), return (exit 0).
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -29,6 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.errors import StartupError
 from appliance.core.request import (
     EngineUnavailableError,
     QueueFullError,
@@ -46,6 +49,7 @@ from appliance.serve.convert import (
     sampling_params,
     startup_response,
 )
+from appliance.serve.tls import load_tls_pair
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
@@ -136,8 +140,36 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                 handle.abort()
 
 
-class ServerBindError(OSError):
-    """server.host:server.port cannot be bound."""
+class ServerBindError(StartupError, OSError):
+    """server.host:server.port cannot be bound (the CLI exits 2 with the message)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind server.host:server.port with a plain socket first, so a busy port or a foreign address is reported
+    with its reason and the fix (gRPC only logs a C-core line and fails). Port 0 picks a free port: nothing to check."""
+    if port == 0:
+        return
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC binds: TIME_WAIT does not block
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise ServerBindError(bind_failure(host, port, exc)) from None
+
+
+def bind_failure(host: str, port: int, exc: OSError | None) -> str:
+    """Why server.host:server.port cannot be bound, and what to change."""
+    where = f"cannot listen on server.host={host} server.port={port}"
+    if exc is not None and exc.errno == errno.EADDRINUSE:
+        return (f"{where}: the port is in use (another server, or an appliance still running). Fix: pick a free "
+                f"port, e.g. server.port={port + 1 if 0 < port < 65535 else 50052}, or stop the process holding it")
+    if exc is not None and exc.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges. Fix: server.port=50051 (or any port from 1024 up)"
+    reason = f" ({exc.strerror or exc})" if exc is not None else ""
+    return (f"{where}{reason}: the host is not an address of this machine or the port is in use. Fix: "
+            f"server.host=127.0.0.1 (or 0.0.0.0 with TLS or server.insecure=true), or another server.port")
 
 
 # -- server --------------------------------------------------------------------------------------------
@@ -160,6 +192,7 @@ class ApplianceServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
+        self._tls = load_tls_pair(rc.server)        # checked here, before the engine's preflight and the bind
 
     @property
     def address(self) -> str:
@@ -216,19 +249,17 @@ class ApplianceServer:
             self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         bind = f"[{srv.host}]:{srv.port}" if ":" in srv.host else f"{srv.host}:{srv.port}"
+        check_port_free(srv.host, srv.port)
         port = 0
         try:
-            if srv.tls_cert_file:
-                creds = grpc.ssl_server_credentials(
-                    [(Path(srv.tls_key_file).read_bytes(), Path(srv.tls_cert_file).read_bytes())])
-                port = self._server.add_secure_port(bind, creds)
+            if self._tls is not None:
+                port = self._server.add_secure_port(bind, grpc.ssl_server_credentials([self._tls]))
             else:
                 port = self._server.add_insecure_port(bind)
         except RuntimeError:          # grpc raises "Failed to bind"; older releases return 0
             pass
         if not port:
-            raise ServerBindError(f"cannot listen on server.host:server.port {bind}: the port is in use or the "
-                                  f"host is not an address of this machine")
+            raise ServerBindError(bind_failure(srv.host, srv.port, None))
         self.port = port
         await self._server.start()
         tls = "TLS" if srv.tls_cert_file else "plaintext"
@@ -288,16 +319,18 @@ class ApplianceServer:
 
 
 def serve(rc: RuntimeConfig, engine: Any = None, output_dir: Path | None = None) -> dict[str, Any]:
-    """mode=serve: run the server until SIGTERM/SIGINT; raises InsufficientMemoryError if the engine cannot fit."""
+    """mode=serve: run the server until SIGTERM/SIGINT.
+
+    Before the port is bound: the TLS pair loads, then the engine's preflight (checkpoint files, backend, whether
+    the weights can fit, tokenizer). Any startup fault, there or while the engine starts, raises a StartupError.
+    """
     if engine is None:
         from appliance.engine.loop import (
             Engine,  # imported here: torch loads only when serving for real
         )
         engine = Engine(rc)
-    try:
-        result = asyncio.run(ApplianceServer(rc, engine, output_dir).run(install_signal_handlers=True))
-    except ServerBindError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    server = ApplianceServer(rc, engine, output_dir)
+    engine.prepare()
+    result = asyncio.run(server.run(install_signal_handlers=True))
     sys.stdout.flush()
     return result

@@ -76,6 +76,9 @@ class FakeEngine:
         self._free: dict[str, int] = {}
         self._total: dict[str, int] = {}
 
+    def prepare(self) -> None:
+        """No files and no device to check (serve() calls this before binding)."""
+
     def start(self) -> StartupReport:
         if self.start_gate is not None:
             self.start_gate.wait(30)

@@ -182,9 +182,12 @@ def test_busy_port_is_a_clear_error(base_rc):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        rc = with_server(base_rc, port=sock.getsockname()[1])
-        with pytest.raises(ServerBindError, match="server.host:server.port 127.0.0.1:"):
+        port = sock.getsockname()[1]
+        rc = with_server(base_rc, port=port)
+        with pytest.raises(ServerBindError) as err:
             asyncio.run(ApplianceServer(rc, FakeEngine(rc)).run())
+    assert f"server.host=127.0.0.1 server.port={port}: the port is in use" in str(err.value)
+    assert "Fix: pick a free port, e.g. server.port=" in str(err.value)
 
 
 def test_coalesce_merges_queued_deltas_and_keeps_the_finish():
