@@ -20,6 +20,7 @@ from appliance.core.config import (
     DeviceSettings,
     KvCacheSettings,
     Layout,
+    LoggingSettings,
     ModelSpec,
     PlanSettings,
     RuntimeConfig,
@@ -27,6 +28,7 @@ from appliance.core.config import (
     freeze,
 )
 from appliance.core.errors import ConfigError, ConfigIssue
+from appliance.core.logs import FORMATS, LEVELS
 from appliance.core.kv_cache_spec import (
     DTYPE_BYTES,
     FULL,
@@ -142,6 +144,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
         plan=freeze(PlanSettings, plain["plan"]),
         bench=freeze(BenchSettings, plain["bench"]),
+        logging=freeze(LoggingSettings, plain["logging"]),
         npu_memory_utilization=float(cfg.npu_memory_utilization),
         decode_batch=cfg.decode_batch,
         max_model_len=cfg.max_model_len,
@@ -191,6 +194,10 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
 
     srv = cfg.server
     c.check(isinstance(srv.port, int) and 0 <= srv.port <= 65535, "server.port", srv.port, "must be in [0, 65535]")
+    if srv.http_port is not None and c.check(0 <= srv.http_port <= 65535, "server.http_port", srv.http_port,
+                                             "must be in [0, 65535], or null to disable HTTP"):
+        c.check(srv.http_port == 0 or srv.http_port != srv.port, "server.http_port", srv.http_port,
+                f"must differ from server.port ({srv.port}): gRPC and HTTP listen on separate ports")
     c.positive_int("server.workers", srv.workers)
     c.positive_int("server.max_message_bytes", srv.max_message_bytes)
     c.non_negative("server.grace_period_s", srv.grace_period_s)
@@ -209,6 +216,9 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
                "set at most one of kv_cache.kv_cache_memory_bytes and kv_cache.num_slots_override")
     c.non_negative("plan.peak_non_kv_bytes", cfg.plan.peak_non_kv_bytes, optional=True)
     c.non_negative("plan.activation_allowance_bytes", cfg.plan.activation_allowance_bytes)
+
+    c.one_of("logging.format", cfg.logging.format, FORMATS)
+    c.one_of("logging.level", cfg.logging.level, LEVELS)
 
     bench = cfg.bench
     for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):

@@ -91,6 +91,7 @@ class DeviceConfig:
 class ServerConfig:
     host: str = MISSING
     port: int = MISSING
+    http_port: Optional[int] = None        # OpenAI-compatible HTTP + /metrics beside gRPC (null: off)
     insecure: bool = False
     tls_cert_file: Optional[str] = None
     tls_key_file: Optional[str] = None
@@ -99,6 +100,12 @@ class ServerConfig:
     grace_period_s: float = MISSING
     startup_timeout_s: float = MISSING
     workers: int = MISSING
+
+
+@dataclass
+class LoggingConfig:
+    format: str = "text"                   # text (human-readable) | json (one object per line)
+    level: str = "INFO"
 
 
 @dataclass
@@ -141,6 +148,7 @@ class ApplianceConfig:
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def register_schema() -> None:

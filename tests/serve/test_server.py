@@ -45,7 +45,7 @@ def expected_tokens(prompt: str, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def base_rc():
-    return load_runtime_config(["server.port=0", "server.grace_period_s=5"])
+    return load_runtime_config(["server.port=0", "server.http_port=null", "server.grace_period_s=5"])
 
 
 def with_server(rc, **changes):
@@ -386,7 +386,7 @@ def test_reflection_lists_and_describes_the_services(running):
     from google.protobuf import descriptor_pb2
     fd = descriptor_pb2.FileDescriptorProto.FromString(described.file_descriptor_response.file_descriptor_proto[0])
     assert fd.package == "appliance.v1"
-    assert [m.name for m in fd.service[0].method] == ["Startup", "Generate"]
+    assert [m.name for m in fd.service[0].method] == ["Startup", "Generate", "Stats"]
     channel.close()
 
 
@@ -433,7 +433,7 @@ SIGTERM_SCRIPT = """
 from tests.serve.fake_engine import FakeEngine
 from appliance.config.compose import load_runtime_config
 from appliance.serve.server import serve
-rc = load_runtime_config(["server.port=0", "server.grace_period_s=5"])
+rc = load_runtime_config(["server.port=0", "server.http_port=0", "server.grace_period_s=5"])
 engine = FakeEngine(rc, step_s=0.01)
 result = serve(rc, engine)
 print("result", result["status"], "shutdown", engine.shutdown_called, "drained", engine.drain_calls, flush=True)
