@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.core.archs import ARCHITECTURES, architecture
 from appliance.core.config import (
     BenchSettings,
@@ -119,6 +120,10 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     if cfg.get("model") is None:
         with open_dict(cfg):
             cfg.model = load_model_config(cfg.default_model)
+    if cfg.model.get("from_checkpoint"):
+        issues = fill_from_checkpoint(cfg.model)       # +model=hf: the model from its config.json
+        if issues:
+            raise ConfigError(issues)
     checker = _Checker()
     _check_top_level(checker, cfg)
     _check_layout(checker, cfg.model)
