@@ -17,6 +17,7 @@ def test_json_lines_carry_time_level_logger_message_and_request_id():
     log = logging.getLogger("appliance.test_logs")
     log.addHandler(handler)
     log.propagate = False
+    log.setLevel(logging.INFO)
     try:
         log.warning("plain %d", 1)
         token = REQUEST_ID.set("req-42")
