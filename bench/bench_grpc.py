@@ -128,7 +128,7 @@ async def _streams(address: str, batch, name: str) -> Result:
 def run_grpc(overrides: list[str], work, warmup, run_dir: Path) -> Result:
     from appliance.client import ApplianceClient
 
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0",
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0", "server.http_port=null",
                              f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
