@@ -18,44 +18,37 @@ import asyncio
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_grpc import workload  # noqa: E402
+from bench_grpc import Result, stop_server, workload  # noqa: E402
 
 
 @dataclass
-class Result:
-    name: str
-    wall_s: float
-    completion_tokens: int
-    ttft_s: list[float]
-    tpot_s: list[float]
-    texts: list[str]
+class StreamResult(Result):
+    """bench_grpc's Result plus what a text stream shows: its texts and each request's time per output token."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s
+    tpot_s: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
 
 def _summary(name: str, t0: float, wall: float, firsts: list[float], lasts: list[float], counts: list[int],
-             texts: list[str]) -> Result:
+             texts: list[str]) -> StreamResult:
     tpot = [(last - first) / (n - 1) for first, last, n in zip(firsts, lasts, counts) if n > 1]
-    return Result(name, wall, sum(counts), [f - t0 for f in firsts], tpot, texts)
+    return StreamResult(name, wall, sum(counts), [f - t0 for f in firsts], [], tpot, texts)
 
 
-async def grpc_streams(address: str, batch, name: str) -> Result:
+async def grpc_streams(address: str, batch, name: str) -> StreamResult:
     import grpc
 
     from appliance.serve.api import appliance_pb2_grpc as pb_grpc
@@ -80,7 +73,7 @@ async def grpc_streams(address: str, batch, name: str) -> Result:
         return _summary(name, t0, time.perf_counter() - t0, firsts, lasts, counts, texts)
 
 
-async def openai_streams(base_url: str, model: str, batch, name: str) -> Result:
+async def openai_streams(base_url: str, model: str, batch, name: str) -> StreamResult:
     import openai
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600) as client:
@@ -145,11 +138,7 @@ def main() -> None:
             with urllib.request.urlopen(f"http://{http_match.group(1)}/metrics", timeout=30) as r:
                 metrics = r.read().decode()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     if http.texts != remote.texts:
         bad = sum(a != b for a, b in zip(http.texts, remote.texts))
         sys.exit(f"HTTP and gRPC outputs differ for {bad} of {n} requests: the timings would not compare")

@@ -3,13 +3,12 @@ bearer token and TLS like gRPC, bind errors, disconnects that abort, engine fail
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import http.client
 import json
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import urllib.request
 
@@ -18,7 +17,12 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.server import ApplianceServer, ServerBindError
+from tests.serve.certs import needs_openssl, self_signed_cert
+from tests.serve.fake_engine import FakeEngine, fake_token
+from tests.serve import test_server
 from tests.serve.test_server import Running, wait_for
+
+running = test_server.running       # the fake-engine server fixture, here with this module's base_rc
 
 openai = pytest.importorskip("openai")
 
@@ -32,24 +36,13 @@ def with_server(rc, **changes):
     return dataclasses.replace(rc, server=dataclasses.replace(rc.server, **changes))
 
 
-@pytest.fixture
-def running(base_rc):
-    servers = []
-
-    def start(rc=None, **engine_kw):
-        from tests.serve.fake_engine import FakeEngine
-        rc = rc or base_rc
-        srv = Running(rc, FakeEngine(rc, **engine_kw))
-        wait_for(lambda: srv.server.http is not None and srv.server.http.port is not None, 10, "HTTP to bind")
-        srv.http_port = srv.server.http.port
-        servers.append(srv)
-        if "start_gate" not in engine_kw:
-            wait_for(lambda: srv.server.state == "serving", 10, "serving")
-        return srv
-    yield start
-    for srv in servers:
-        if srv.thread.is_alive():
-            srv.stop()
+def http_port(srv: Running, serving: bool = True) -> int:
+    """The HTTP port of a fake-engine server (the `running` fixture, with this module's base_rc), once bound and,
+    unless told otherwise, once serving."""
+    wait_for(lambda: srv.server.http is not None and srv.server.http.port is not None, 10, "HTTP to bind")
+    if serving:
+        wait_for(lambda: srv.server.state == "serving", 10, "serving")
+    return srv.server.http.port
 
 
 def request(port: int, path: str, body: dict | None = None, headers: dict | None = None,
@@ -68,7 +61,7 @@ def request(port: int, path: str, body: dict | None = None, headers: dict | None
 def test_health_and_requests_follow_the_lifecycle(running):
     start_gate, drain_gate = threading.Event(), threading.Event()
     srv = running(start_gate=start_gate, drain_gate=drain_gate)
-    port = srv.http_port
+    port = http_port(srv, serving=False)
     assert request(port, "/health") == (503, {"status": "starting"})
     status, body = request(port, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 503 and "starting" in body["error"]["message"]
@@ -91,13 +84,12 @@ def test_health_and_requests_follow_the_lifecycle(running):
 
 
 def _fake_tokens(prompt: str, n: int) -> list[int]:
-    from tests.serve.fake_engine import fake_token
     return [fake_token(list(prompt.encode()), i) for i in range(n)]
 
 
 def test_bearer_token_like_grpc(base_rc, running):
     srv = running(with_server(base_rc, auth_token="s3cret"))
-    port = srv.http_port
+    port = http_port(srv)
     assert request(port, "/health")[0] == 200                              # probes need no token
     for path in ("/v1/models", "/metrics"):
         status, body = request(port, path)
@@ -112,32 +104,26 @@ def test_bearer_token_like_grpc(base_rc, running):
         {s.name for s in base_rc.model.cache_groups}
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@needs_openssl
 def test_tls_like_grpc(base_rc, running, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    key, cert = self_signed_cert(tmp_path)
     srv = running(with_server(base_rc, tls_cert_file=str(cert), tls_key_file=str(key)))
     context = ssl.create_default_context(cafile=str(cert))
-    assert request(srv.http_port, "/health", context=context) == (200, {"status": "serving"})
+    assert request(http_port(srv), "/health", context=context) == (200, {"status": "serving"})
     with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError, urllib.error.URLError)):
-        request(srv.http_port, "/health")                                 # plaintext is refused
+        request(http_port(srv), "/health")                                 # plaintext is refused
 
 
 def test_busy_http_port_is_a_bind_error_naming_the_key(base_rc):
     busy = socket.create_server(("127.0.0.1", 0))
-    from tests.serve.fake_engine import FakeEngine
     rc = with_server(base_rc, http_port=busy.getsockname()[1])
     server = ApplianceServer(rc, FakeEngine(rc))
-    import asyncio
     with pytest.raises(ServerBindError, match="server.host:server.http_port 127.0.0.1:"):
         asyncio.run(server.run())
     busy.close()
 
 
-def test_http_port_null_serves_grpc_only(base_rc, running):
-    from tests.serve.fake_engine import FakeEngine
+def test_http_port_null_serves_grpc_only(base_rc):
     rc = with_server(base_rc, http_port=None)
     srv = Running(rc, FakeEngine(rc))
     try:
@@ -156,7 +142,7 @@ def _stream(port: int, body: dict) -> http.client.HTTPConnection:
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_request(running, stream):
     srv = running(step_s=0.05)                  # 490 tokens take 25 s: only the abort ends the request early
-    conn = _stream(srv.http_port, {"prompt": f"endless-{stream}", "max_tokens": 490, "stream": stream})
+    conn = _stream(http_port(srv), {"prompt": f"endless-{stream}", "max_tokens": 490, "stream": stream})
     wait_for(lambda: f"endless-{stream}" in srv.engine.requests, 10, "the request to be submitted")
     if stream:
         assert conn.getresponse().read(6) == b"data: "
@@ -166,25 +152,24 @@ def test_client_disconnect_aborts_the_request(running, stream):
 
 
 def test_engine_failure_is_500_or_an_error_event(running):
-    srv = running()
-    status, body = request(srv.http_port, "/v1/completions", {"prompt": "boom", "max_tokens": 5})
+    port = http_port(running())
+    status, body = request(port, "/v1/completions", {"prompt": "boom", "max_tokens": 5})
     assert status == 500 and "injected kernel failure" in body["error"]["message"]
-    conn = _stream(srv.http_port, {"prompt": "boom", "max_tokens": 5, "stream": True})
+    conn = _stream(port, {"prompt": "boom", "max_tokens": 5, "stream": True})
     events = [line for line in conn.getresponse().read().decode().split("\n\n") if line]
     assert "injected kernel failure" in events[-2] and events[-1] == "data: [DONE]"
 
 
 def test_chat_without_a_template_is_400_naming_messages(running):
-    srv = running()
-    status, body = request(srv.http_port, "/v1/chat/completions",
+    status, body = request(http_port(running()), "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "messages" and "no chat template" in body["error"]["message"]
 
 
 def test_queue_full_is_429(running):
-    srv = running(max_requests=1, step_s=0.05)
-    conn = _stream(srv.http_port, {"prompt": "holder", "max_tokens": 490, "stream": True})
+    port = http_port(running(max_requests=1, step_s=0.05))
+    conn = _stream(port, {"prompt": "holder", "max_tokens": 490, "stream": True})
     assert conn.getresponse().status == 200
-    status, body = request(srv.http_port, "/v1/completions", {"prompt": "next", "max_tokens": 2})
+    status, body = request(port, "/v1/completions", {"prompt": "next", "max_tokens": 2})
     assert status == 429 and "wait queue full" in body["error"]["message"]
     conn.close()

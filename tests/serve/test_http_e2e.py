@@ -169,7 +169,7 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
 
 
 def test_auth_model_and_template_errors(client, served):
-    srv, port = served
+    _, port = served
     with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()

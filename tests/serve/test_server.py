@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from appliance.serve.server import ApplianceServer, ServerBindError, coalesce
 REPO = Path(__file__).resolve().parents[2]
 
 
+from tests.serve.certs import needs_openssl, self_signed_cert  # noqa: E402
 from tests.serve.fake_engine import FakeEngine, fake_token  # noqa: E402
 
 
@@ -398,12 +398,9 @@ def test_max_message_bytes_is_enforced(base_rc, running):
     assert c.complete("y" * 100, max_tokens=2)[0] == expected_tokens("y" * 100, 2)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@needs_openssl
 def test_tls(base_rc, running, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    key, cert = self_signed_cert(tmp_path)
     srv = running(with_server(base_rc, tls_cert_file=str(cert), tls_key_file=str(key)))
     secure = ApplianceClient(srv.address, root_cert=cert, server_name="localhost")
     assert secure.startup(timeout=10).capacity_slots == 4
