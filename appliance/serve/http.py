@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.logs import REQUEST_ID
 from appliance.core.request import (
     EngineUnavailableError,
@@ -287,7 +288,11 @@ class HttpFrontEnd:
                                 f" (the port is in use or the host is not an address of this machine; "
                                 f"server.http_port=null disables HTTP)") from None
         try:
-            config = uvicorn.Config(create_app(self.server, load_chat_template(self.server.rc.model)),
+            try:
+                chat_template = load_chat_template(self.server.rc.model)
+            except ChatTemplateError as exc:      # a startup fault like a bad config: exit 2, naming the file
+                raise ConfigError([ConfigIssue("model.weights", self.server.rc.model.weights, str(exc))]) from None
+            config = uvicorn.Config(create_app(self.server, chat_template),
                                     lifespan="off", log_config=None, access_log=False,
                                     ssl_certfile=srv.tls_cert_file, ssl_keyfile=srv.tls_key_file,
                                     timeout_graceful_shutdown=max(grace_s, 0.1))

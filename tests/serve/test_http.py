@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from appliance.config.compose import load_runtime_config
+from appliance.core.errors import ConfigError
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.server import ApplianceServer, ServerBindError
 from tests.serve.certs import needs_openssl, self_signed_cert
@@ -173,3 +174,12 @@ def test_queue_full_is_429(running):
     status, body = request(port, "/v1/completions", {"prompt": "next", "max_tokens": 2})
     assert status == 429 and "wait queue full" in body["error"]["message"]
     conn.close()
+
+
+def test_a_broken_chat_template_stops_startup_naming_the_file(base_rc, tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
+    model = dataclasses.replace(base_rc.model, tokenizer=str(tmp_path / "tokenizer.json"))
+    rc = dataclasses.replace(base_rc, model=model)
+    server = ApplianceServer(rc, FakeEngine(rc))
+    with pytest.raises(ConfigError, match="tokenizer_config.json .chat_template. does not compile"):
+        asyncio.run(server.run())
