@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_grpc import stop_server  # noqa: E402
+from bench_http import start_server  # noqa: E402
 
 
 def main() -> None:
@@ -47,22 +46,11 @@ def main() -> None:
         ckpt = write_tiny_checkpoint(Path(tmp) / "qwen3-tiny", load_runtime_config(["+model=qwen3_tiny"]).model, 5)
         (ckpt / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
-        proc = subprocess.Popen([sys.executable, "-m", "appliance", "+model=hf", f"model.weights={ckpt}",
-                                 "device=cpu", "max_model_len=1024", *args.overrides, "server.port=0",
-                                 "server.http_port=0", f"hydra.run.dir={Path(tmp) / 'run'}"], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
+        proc, _, http_address = start_server(["+model=hf", f"model.weights={ckpt}", "device=cpu",
+                                              "max_model_len=1024", *args.overrides], Path(tmp) / "run")
         try:
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith("SERVING on "):
-                    break
-            match = re.search(r"^http listening on (\S+)", "".join(lines), re.M)
-            if proc.poll() is not None or match is None:
-                sys.exit("server did not start:\n" + "".join(lines[-40:]))
-            threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
             cmd = [args.guidellm, "run",
-                   "--backend", f"kind=openai_http,target=http://{match.group(1)},request_format=/v1/completions",
+                   "--backend", f"kind=openai_http,target=http://{http_address},request_format=/v1/completions",
                    "--profile", f"kind=concurrent,streams={args.streams}",
                    "--constraint", f"kind=max_requests,count={args.requests}",
                    "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"

@@ -100,6 +100,27 @@ async def openai_streams(base_url: str, model: str, batch, name: str) -> StreamR
         return _summary(name, t0, time.perf_counter() - t0, firsts, lasts, counts, texts)
 
 
+def start_server(overrides: list[str], run_dir: Path) -> tuple[subprocess.Popen, str, str]:
+    """`python -m appliance` with both front ends on free ports: (process, gRPC address, HTTP address) once
+    SERVING; its later output is drained by a thread so the pipe never fills."""
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0", "server.http_port=0",
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("SERVING on "):
+            break
+    out = "".join(lines)
+    grpc_match = re.search(r"^listening on (\S+)", out, re.M)
+    http_match = re.search(r"^http listening on (\S+)", out, re.M)
+    if proc.poll() is not None or not grpc_match or not http_match:
+        stop_server(proc)
+        sys.exit("server did not start:\n" + "".join(lines[-40:]))
+    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
+    return proc, grpc_match.group(1), http_match.group(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the server, e.g. +model=qwen3_tiny")
@@ -115,27 +136,14 @@ def main() -> None:
     work, warmup = workload(rc, n, rc.bench.seed), workload(rc, 4, rc.bench.seed + 1)
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "appliance", *args.overrides, "server.port=0",
-                                 "server.http_port=0", f"hydra.run.dir={Path(tmp) / 'run'}"], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
+        proc, grpc_address, http_address = start_server(args.overrides, Path(tmp) / "run")
         try:
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith("SERVING on "):
-                    break
-            out = "".join(lines)
-            grpc_match = re.search(r"^listening on (\S+)", out, re.M)
-            http_match = re.search(r"^http listening on (\S+)", out, re.M)
-            if proc.poll() is not None or not grpc_match or not http_match:
-                sys.exit("server did not start:\n" + "".join(lines[-40:]))
-            threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-            base_url = f"http://{http_match.group(1)}/v1"
-            asyncio.run(grpc_streams(grpc_match.group(1), warmup, "warmup"))
+            base_url = f"http://{http_address}/v1"
+            asyncio.run(grpc_streams(grpc_address, warmup, "warmup"))
             asyncio.run(openai_streams(base_url, rc.model.name, warmup, "warmup"))
-            remote = asyncio.run(grpc_streams(grpc_match.group(1), work, "gRPC (grpc.aio streams)"))
+            remote = asyncio.run(grpc_streams(grpc_address, work, "gRPC (grpc.aio streams)"))
             http = asyncio.run(openai_streams(base_url, rc.model.name, work, "HTTP (openai.AsyncOpenAI, SSE)"))
-            with urllib.request.urlopen(f"http://{http_match.group(1)}/metrics", timeout=30) as r:
+            with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=30) as r:
                 metrics = r.read().decode()
         finally:
             stop_server(proc)
