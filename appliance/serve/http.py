@@ -21,7 +21,8 @@ import logging
 import socket
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, Iterator, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from appliance.core.config import RuntimeConfig
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.logs import REQUEST_ID
 from appliance.core.request import (
@@ -52,8 +54,15 @@ from appliance.serve.openai_api import (
 )
 from appliance.serve.streams import RequestStream, open_stream
 
-if TYPE_CHECKING:
-    from appliance.serve.server import ApplianceServer
+
+class ServingState(Protocol):
+    """What the HTTP front end reads from the server it runs beside (appliance.serve.server.ApplianceServer)."""
+
+    rc: RuntimeConfig
+    engine: Any                 # the Engine, or a stand-in with its interface
+    executor: Executor          # runs engine.submit off the event loop
+    state: str                  # starting | serving | draining | stopped
+
 
 log = logging.getLogger("appliance.serve.http")
 OPEN_PATHS = ("/health",)                  # answered without a token so that probes work
@@ -67,7 +76,7 @@ def _sse(body: dict[str, Any]) -> str:
 class OpenAIRoutes:
     """The handlers, reading the server's state, engine and executor through `server`."""
 
-    def __init__(self, server: "ApplianceServer", chat_template: ChatTemplate | None):
+    def __init__(self, server: ServingState, chat_template: ChatTemplate | None):
         self.server = server
         self.model = server.rc.model.name
         self.chat_template = chat_template
@@ -212,7 +221,7 @@ async def _until_disconnected(http: Request) -> None:
         pass
 
 
-def create_app(server: "ApplianceServer", chat_template: ChatTemplate | None) -> FastAPI:
+def create_app(server: ServingState, chat_template: ChatTemplate | None) -> FastAPI:
     routes = OpenAIRoutes(server, chat_template)
     token = server.rc.server.auth_token
     registry = metrics_registry(server.engine.stats, routes.model)
@@ -271,7 +280,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpFrontEnd:
     """uvicorn serving the app on a socket bound here (so a busy port is an error we word, not uvicorn's exit)."""
 
-    def __init__(self, server: "ApplianceServer"):
+    def __init__(self, server: ServingState):
         self.server = server
         self.port: int | None = None
         self._uvicorn: _EmbeddedUvicorn | None = None
