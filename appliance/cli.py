@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from appliance.config.compose import CONF_DIR, check_override_keys, compose_runtime_config
 from appliance.config.schema import register_schema
 from appliance.core.errors import ConfigError, StartupError
+from appliance.core.logs import configure_logging
 from appliance.core.planner import InsufficientMemoryError
 from appliance.modes.results import write_result
 
@@ -60,6 +61,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     out = _output_dir()
     try:
         rc = compose_runtime_config(cfg)
+        configure_logging(rc.logging.format, rc.logging.level)
         if rc.mode == "validate":
             from appliance.modes.validate import run_validate
             return run_validate(rc, out)

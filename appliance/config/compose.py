@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture
 from appliance.core.config import (
@@ -22,6 +23,7 @@ from appliance.core.config import (
     DeviceSettings,
     KvCacheSettings,
     Layout,
+    LoggingSettings,
     ModelSpec,
     PlanSettings,
     RuntimeConfig,
@@ -37,6 +39,7 @@ from appliance.core.kv_cache_spec import (
     full_history_blocks,
     ring_blocks,
 )
+from appliance.core.logs import FORMATS, LEVELS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")
@@ -155,6 +158,10 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     if cfg.get("model") is None:
         with open_dict(cfg):
             cfg.model = load_model_config(cfg.default_model)
+    if cfg.model.get("from_checkpoint"):
+        issues = fill_from_checkpoint(cfg.model)       # +model=hf: the model from its config.json
+        if issues:
+            raise ConfigError(issues)
     checker = _Checker()
     checker.issues += unknown_key_issues(cfg)
     if checker.issues:
@@ -183,6 +190,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
         plan=freeze(PlanSettings, plain["plan"]),
         bench=freeze(BenchSettings, plain["bench"]),
+        logging=freeze(LoggingSettings, plain["logging"]),
         npu_memory_utilization=float(cfg.npu_memory_utilization),
         decode_batch=cfg.decode_batch,
         max_model_len=cfg.max_model_len,
@@ -232,6 +240,10 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
 
     srv = cfg.server
     c.check(isinstance(srv.port, int) and 0 <= srv.port <= 65535, "server.port", srv.port, "must be in [0, 65535]")
+    if srv.http_port is not None and c.check(0 <= srv.http_port <= 65535, "server.http_port", srv.http_port,
+                                             "must be in [0, 65535], or null to disable HTTP"):
+        c.check(srv.http_port == 0 or srv.http_port != srv.port, "server.http_port", srv.http_port,
+                f"must differ from server.port ({srv.port}): gRPC and HTTP listen on separate ports")
     c.positive_int("server.workers", srv.workers)
     c.positive_int("server.max_message_bytes", srv.max_message_bytes)
     c.non_negative("server.grace_period_s", srv.grace_period_s)
@@ -250,6 +262,9 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
                "set at most one of kv_cache.kv_cache_memory_bytes and kv_cache.num_slots_override")
     c.non_negative("plan.peak_non_kv_bytes", cfg.plan.peak_non_kv_bytes, optional=True)
     c.non_negative("plan.activation_allowance_bytes", cfg.plan.activation_allowance_bytes)
+
+    c.one_of("logging.format", cfg.logging.format, FORMATS)
+    c.one_of("logging.level", cfg.logging.level, LEVELS)
 
     bench = cfg.bench
     for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):

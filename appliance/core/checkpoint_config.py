@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from appliance.core.archs import architecture
+from appliance.core.archs.hf_config import values_agree
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 
@@ -36,8 +37,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         mine, theirs = getattr(lay, key), cfg[file_key]
         if isinstance(mine, tuple):
             mine = list(mine)
-        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if isinstance(mine, float) else mine == theirs
-        if not same:
+        if not values_agree(mine, theirs):
             bad.append(f"model.layout.{key}={mine!r} but config.json {file_key}={theirs!r}")
     if cfg.get("rope_scaling"):
         bad.append(f"config.json rope_scaling={cfg['rope_scaling']!r} is not supported")

@@ -21,6 +21,7 @@ from appliance.core.request import (
     validate_request,
 )
 from appliance.core.startup_report import StartupReport
+from appliance.engine.stats import EngineStats, GroupUsage
 
 
 class ByteTokenizer:
@@ -102,6 +103,11 @@ class FakeEngine:
 
     def kv_total_blocks(self) -> dict[str, int]:
         return dict(self._total)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(num_running=len(self.requests),
+                               groups=tuple(GroupUsage(g, self._total[g], self._free[g]) for g in self._total))
 
     def submit(self, request_id, prompt, params, on_output=None):
         if self.report is None or self.draining:
