@@ -40,6 +40,7 @@ from appliance.modes.results import write_result
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.api import appliance_pb2_grpc as pb_grpc
 from appliance.serve.auth import BearerTokenInterceptor
+from appliance.serve.malformed import MalformedRequestInterceptor
 from appliance.serve.convert import (
     generate_response,
     request_prompt,
@@ -136,6 +137,12 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                 handle.abort()
 
 
+def host_port(host: str, port: int | None) -> str:
+    """"HOST:PORT" for gRPC; an IPv6 literal, given with or without brackets, gets exactly one pair."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ServerBindError(OSError):
     """server.host:server.port cannot be bound."""
 
@@ -163,8 +170,7 @@ class ApplianceServer:
 
     @property
     def address(self) -> str:
-        host = self.rc.server.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(self.rc.server.host, self.port)
 
     def request_shutdown(self) -> None:
         """Thread-safe: begin the graceful shutdown (what SIGTERM/SIGINT do)."""
@@ -208,6 +214,7 @@ class ApplianceServer:
                    ("grpc.max_receive_message_length", srv.max_message_bytes),
                    ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
         interceptors = [BearerTokenInterceptor(srv.auth_token)] if srv.auth_token else []
+        interceptors.append(MalformedRequestInterceptor())
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -215,7 +222,7 @@ class ApplianceServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        bind = f"[{srv.host}]:{srv.port}" if ":" in srv.host else f"{srv.host}:{srv.port}"
+        bind = host_port(srv.host, srv.port)
         port = 0
         try:
             if srv.tls_cert_file:
