@@ -20,6 +20,7 @@ from appliance.core.errors import CheckpointError
 log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+PROGRESS_DELAY_S = 1.0
 
 
 def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
@@ -73,7 +74,7 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
 
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = progress_bar(len(expected), "loading weights", progress)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
@@ -88,6 +89,12 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     return out
 
 
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A per-tensor bar on stderr for the long part of startup; shown only once loading has taken a second,
+    so small models start without one."""
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False, delay=PROGRESS_DELAY_S)
+
+
 def is_norm_weight(name: str) -> bool:
     """RMSNorm / LayerNorm gains (a 'norm' module's weight): random weights set them to 1."""
     parts = name.split(".")
@@ -100,7 +107,7 @@ def is_norm_bias(name: str) -> bool:
 
 
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
-                      std: float = 0.02) -> dict[str, torch.Tensor]:
+                      std: float = 0.02, progress: bool = True) -> dict[str, torch.Tensor]:
     """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
@@ -108,7 +115,9 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     """
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
+    bar = progress_bar(len(expected), "making random weights", progress)
     for name in sorted(expected):
+        bar.update(1)
         shape, dtype = expected[name]
         if is_norm_weight(name):
             t = torch.ones(shape, dtype=torch.float32)
@@ -118,4 +127,5 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
         else:
             t = torch.zeros(shape, dtype=torch.float32)
         out[name] = t.to(device=device, dtype=dtype)
+    bar.close()
     return out

@@ -16,8 +16,7 @@ from typing import Sequence
 
 from appliance.core.config import RuntimeConfig
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
-
-GiB = 1 << 30
+from appliance.core.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ class InsufficientMemoryError(RuntimeError):
 
 
 def _fmt(n: int) -> str:
-    return f"{n:,} B ({n / GiB:.2f} GiB)"
+    return f"{n:,} B" if abs(n) < 1024 else f"{n:,} B ({human_bytes(n)})"
 
 
 _ADVICE = ("raise npu_memory_utilization, lower max_model_len or decode_batch, "

@@ -1,7 +1,5 @@
 """Config composition and validation: reference figures, every rule with its key path, CLI behaviour."""
 
-import time
-
 import pytest
 
 from appliance.config.compose import compose, load_runtime_config
@@ -222,15 +220,12 @@ def test_cli_composition_errors_exit_2(cli, args, words):
 
 
 def test_cli_validate_prints_groups_fast_and_without_torch(cli):
-    start = time.perf_counter()
     proc = cli("+model=dsv4", "mode=validate", "max_model_len=8192", env={"PYTHONPROFILEIMPORTTIME": "1"})
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     assert "5,636,096" in proc.stdout and "csa_inner_state" in proc.stdout and "160,940,032" in proc.stdout
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "appliance.config.compose" in imported  # the import log really was captured
     assert not any(m == "torch" or m.startswith("torch.") for m in imported)
-    assert elapsed < 10  # the 2 s target is measured in BENCHMARKS.md, not asserted here
 
 
 def test_step_budget_and_prefill_tiles_are_whole_blocks():
