@@ -153,11 +153,13 @@ def validate_request(request_id: str, prompt: str | Sequence[int], params: Sampl
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt", "must not be empty")
-        size = len(prompt.encode("utf-8", "surrogatepass"))
+        # A character is at least one byte: a long text is refused without even encoding it.
+        size = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode("utf-8", "surrogatepass"))
         if size > limits.max_prompt_bytes:
-            raise RequestError("prompt", f"{size:,} bytes of text cannot fit in max_model_len {limits.max_model_len} "
-                                         f"tokens: at most {limits.max_prompt_bytes:,} bytes ({limits.max_model_len - 1} "
-                                         f"tokens x {limits.max_token_bytes} bytes, the tokenizer's longest token)")
+            raise RequestError("prompt", f"{size:,} bytes of text (at least) cannot fit in max_model_len "
+                                         f"{limits.max_model_len} tokens: at most {limits.max_prompt_bytes:,} bytes "
+                                         f"({limits.max_model_len - 1} tokens x {limits.max_token_bytes} bytes, the "
+                                         f"tokenizer's longest token)")
         ids = encode(prompt)
     else:
         ids = list(prompt)
