@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from appliance.config.compose import load_runtime_config
+from appliance.config.compose import available_models, load_runtime_config
 from appliance.core.tables import capacity_plan_table
 from appliance.core.units import human_bytes
 from appliance.modes.plan import make_plan
@@ -20,7 +20,7 @@ def test_help_explains_modes_models_plan_vs_serve_and_the_client(cli):
     assert "is powered by Hydra" not in out
     for words in (["serve", "plan", "validate", "bench"], ["+model=dsv4", "not model=dsv4", "RANDOM weights"],
                   ["plan vs serve", "same planner"], ["python -m appliance.client", "--startup"],
-                  ["model: dsv4, dsv4_tiny, qwen3, qwen3_tiny"], ["APPLIANCE_AUTH_TOKEN"]):
+                  [f"model: {', '.join(available_models())}"], ["APPLIANCE_AUTH_TOKEN"]):
         assert all(w in out for w in words), words
 
 
