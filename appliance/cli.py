@@ -67,7 +67,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             return run_validate(rc, out)
         if rc.mode == "plan":
             from appliance.modes.plan import run_plan
-            return run_plan(rc, out)
+            return run_plan(rc, out, quiet=_is_multirun())
         if rc.mode == "bench":
             from appliance.modes.bench import run_bench
             return run_bench(rc, out)

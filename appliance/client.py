@@ -25,13 +25,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from appliance.core.request import RequestOutput
-from appliance.core.tables import format_table, gib
+from appliance.core.secrets import AUTH_TOKEN_ENV
+from appliance.core.tables import startup_report_table
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.api import appliance_pb2_grpc as pb_grpc
-from appliance.serve.convert import HISTORY_NAMES, generate_request, to_output
+from appliance.serve.convert import generate_request, startup_report, to_output
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-TOKEN_ENV = "APPLIANCE_AUTH_TOKEN"
 
 
 class ApplianceClient:
@@ -111,25 +111,18 @@ class ApplianceClient:
 # -- command line --------------------------------------------------------------------------------------
 
 def startup_text(r: pb.StartupResponse) -> str:
-    """The Startup response as terminal tables (mirrors the server's startup printout)."""
-    devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"],
-                           [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.peak_non_kv_bytes),
-                             gib(d.usable_bytes), gib(d.budget_bytes), gib(d.headroom_bytes)) for d in r.devices])
-    groups = format_table(
-        ["group", "history", "layers", "rows/block", "page bytes", "blocks/seq", "num_blocks", "bytes", "share"],
-        [(g.name, HISTORY_NAMES.get(g.history, "?"), g.layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq,
-          g.num_blocks, g.total_bytes, g.share_of_budget) for g in r.cache_groups])
-    lines = [
-        f"model {r.model_name} ({r.arch})   weights {r.weights}   device {r.device_kind} x {r.device_count}",
-        f"npu_memory_utilization {r.npu_memory_utilization:g}   decode_batch {r.decode_batch}   "
-        f"block_size {r.block_size}   max_model_len {r.max_model_len}",
-        devices, "", groups, "",
-        f"limiting device {r.limiting_device}: budget {r.budget_bytes:,} B = scratch {r.scratch_bytes:,} B + "
-        f"{r.capacity_slots} slots x {r.bytes_per_slot:,} B + unused",
-        f"capacity_slots {r.capacity_slots}   KV tokens {r.kv_tokens_per_device:,} per device   "
-        f"max concurrency {r.max_concurrency}" + (f"   override {r.override}" if r.override else ""),
-    ]
-    return "\n".join(lines + [f"note: {n}" for n in r.notes])
+    """The Startup response as the server printed it at startup: the same tables, every number."""
+    return startup_report_table(startup_report(r))
+
+
+def rpc_error_text(exc: grpc.RpcError, address: str) -> str:
+    """One line for the terminal; when nothing listens at the address, how to start a server."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        return (f"error: no appliance server answers at {address} ({details}).\n"
+                f"Start one in another terminal with `python -m appliance` (the embedded tiny model on "
+                f"{DEFAULT_ADDRESS}; `python -m appliance --help` for more), or pass --address HOST:PORT.")
+    return f"error: {code.name}: {details}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                   help=f"bearer token (default ${TOKEN_ENV})")
+    p.add_argument("--token", default=os.environ.get(AUTH_TOKEN_ENV),
+                   help=f"bearer token (default ${AUTH_TOKEN_ENV}, the variable the server reads too)")
     p.add_argument("--tls-root-cert", default=None, help="PEM root certificate: connect with TLS")
     p.add_argument("--tls", action="store_true", help="connect with TLS using the system roots")
     p.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
@@ -182,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[{last.finish_reason.value}: prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
                       f"cached prompt {u.cached_prompt_tokens} tokens]", file=sys.stderr)
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(rpc_error_text(exc, args.address), file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from appliance.core.config import ModelSpec, RuntimeConfig
+from appliance.core.config import RuntimeConfig
 from appliance.core.estimate import estimate_peak_non_kv
 from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
 from appliance.core.planner import (
@@ -41,6 +41,7 @@ from appliance.core.planner import (
     plan_for_config,
 )
 from appliance.core.startup_report import StartupReport
+from appliance.core.units import human_bytes
 from npu.backends import Backend, select_backend
 from npu.registry import build_runner
 from npu.runner import ModelRunner
@@ -80,15 +81,17 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> Measure
     The runner lives on device 0; every device hosts a replica (a data-parallel rank), so a device's
     peak_non_kv is the larger of its own probe and device 0's.
     """
+    log.info("[1/4] loading weights: %s", rc.model.weights_label)
     t0 = time.perf_counter()
     runner.load_weights()
     backend.synchronize()
     load_s = time.perf_counter() - t0
-    log.info("weights loaded in %.2f s (%s)", load_s, weights_label(rc.model))
+    log.info("weights loaded in %.2f s (%s)", load_s, rc.model.weights_label)
 
     runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, rc.decode_batch)
     scratch = pool_bytes(runner)
     tokens, seqs = profile_shape(rc)
+    log.info("[2/4] profiling one step of %d tokens over %d sequences to measure peak memory", tokens, seqs)
     batch = runner.profile_batch(tokens, seqs)
     t0 = time.perf_counter()
     try:
@@ -182,10 +185,6 @@ def open_backend(rc: RuntimeConfig) -> Backend:
     return backend
 
 
-def weights_label(model: ModelSpec) -> str:
-    return f"random (seed {model.weights_seed})" if model.weights == "random" else model.weights
-
-
 def launch(rc: RuntimeConfig, backend: Backend | None = None,
           runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
     """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists.
@@ -196,7 +195,10 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None,
     runner = runner or build_runner(rc.model, backend.torch_device(0))
     log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
     m = measure(rc, backend, runner)
+    log.info("[3/4] planning the KV cache from %d device(s)' measured memory", len(m.devices))
     plan = plan_for_config(rc, m.devices)
+    log.info("[4/4] allocating %d slots (%s of KV cache per device)", plan.capacity_slots,
+             human_bytes(plan.kv_cache_bytes))
     t0 = time.perf_counter()
     plan, retries = allocate(rc, backend, runner, plan, m.devices)
     alloc_s = time.perf_counter() - t0
@@ -214,7 +216,7 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None,
              ", ".join(f"{g.name}={g.num_blocks}" for g in plan.groups), alloc_s)
     report = StartupReport(
         model_name=rc.model.name, arch=rc.model.arch, device_kind=backend.kind, device_count=backend.count,
-        plan=plan, resolved_config_yaml=rc.resolved_yaml, weights=weights_label(rc.model),
+        plan=plan, resolved_config_yaml=rc.resolved_yaml, weights=rc.model.weights_label,
         load_seconds=m.load_seconds, profile_seconds=m.profile_seconds, allocate_seconds=alloc_s,
         allocation_retries=retries, notes=tuple(notes))
     return runner, report

@@ -22,6 +22,7 @@ log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 RANDN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)   # dtypes torch.randn samples in
+PROGRESS_DELAY_S = 1.0
 
 
 def _mismatch_report(where: str, expected: Expected, found: Mapping[str, TensorHeader]) -> str | None:
@@ -75,7 +76,7 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     files = sorted({h.file for h in headers.values()})
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = progress_bar(len(expected), "loading weights", progress)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
@@ -95,6 +96,12 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     return out
 
 
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A per-tensor bar on stderr for the long part of startup; shown only once loading has taken a second,
+    so small models start without one."""
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False, delay=PROGRESS_DELAY_S)
+
+
 def is_norm_weight(name: str) -> bool:
     """RMSNorm / LayerNorm gains (a 'norm' module's weight): random weights set them to 1."""
     parts = name.split(".")
@@ -107,7 +114,7 @@ def is_norm_bias(name: str) -> bool:
 
 
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
-                      std: float = 0.02) -> dict[str, torch.Tensor]:
+                      std: float = 0.02, progress: bool = True) -> dict[str, torch.Tensor]:
     """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
@@ -117,7 +124,9 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     """
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
+    bar = progress_bar(len(expected), "making random weights", progress)
     for name in sorted(expected):
+        bar.update(1)
         shape, dtype = expected[name]
         if is_norm_weight(name):
             t = torch.ones(shape, dtype=dtype)
@@ -128,4 +137,5 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
         else:
             t = torch.zeros(shape, dtype=dtype)
         out[name] = t.to(device=device, dtype=dtype)
+    bar.close()
     return out

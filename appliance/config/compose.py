@@ -8,6 +8,7 @@ registry (appliance.core.archs).
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from appliance.core.config import (
     freeze,
 )
 from appliance.core.errors import ConfigError, ConfigIssue
+from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 from appliance.core.kv_cache_spec import (
     DTYPE_BYTES,
     FULL,
@@ -44,7 +46,6 @@ from appliance.core.logs import FORMATS, LEVELS
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def config_groups() -> set[str]:
@@ -167,11 +168,13 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     if checker.issues:
         raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     _check_top_level(checker, cfg)
+    auth_token = _check_auth_token(checker, cfg.server)
     _check_layout(checker, cfg.model)
     groups = _derive_cache_groups(checker, cfg)
     if checker.issues:
         raise ConfigError(checker.issues)
     plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["server"].update(host=unbracketed(plain["server"]["host"]), auth_token=auth_token)
     hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
     model = plain["model"]
     spec = ModelSpec(
@@ -199,7 +202,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         max_waiting_requests=cfg.max_waiting_requests,
         enable_prefix_caching=cfg.enable_prefix_caching,
         seed=cfg.seed,
-        resolved_yaml=OmegaConf.to_yaml(hydra_free),
+        resolved_yaml=OmegaConf.to_yaml(redact(hydra_free)),
     )
 
 
@@ -250,7 +253,7 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     c.non_negative("server.startup_timeout_s", srv.startup_timeout_s)
     c.check((srv.tls_cert_file is None) == (srv.tls_key_file is None), "server.tls_key_file", srv.tls_key_file,
             "TLS needs both server.tls_cert_file and server.tls_key_file")
-    if srv.host not in LOOPBACK_HOSTS:
+    if not is_loopback(srv.host):
         c.check(srv.tls_cert_file is not None or srv.insecure, "server.host", srv.host,
                 "binding a non-loopback address needs TLS (server.tls_cert_file/tls_key_file) or server.insecure=true")
 
@@ -272,6 +275,50 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     for lo, hi in (("prompt_len_min", "prompt_len_max"), ("output_len_min", "output_len_max")):
         if isinstance(bench[lo], int) and isinstance(bench[hi], int):
             c.check(bench[lo] <= bench[hi], f"bench.{lo}", bench[lo], f"must be <= bench.{hi} ({bench[hi]})")
+
+
+def unbracketed(host: str) -> str:
+    """An IPv6 literal without its brackets ("[::1]" -> "::1"); the server adds them where an address needs them."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(unbracketed(host)).is_loopback
+    except ValueError:          # a host name: not known to be loopback
+        return False
+
+
+def _check_auth_token(c: _Checker, srv: DictConfig) -> str | None:
+    """The bearer token from server.auth_token (conf/server/default.yaml fills it from $APPLIANCE_AUTH_TOKEN) or
+    from the file server.auth_token_file, so that it need not appear in argv. Errors never show the token."""
+    token, path = srv.auth_token, srv.auth_token_file
+    if path is not None:
+        if token is not None:
+            c.fail("server.auth_token_file", path, f"give the token once: server.auth_token (or ${AUTH_TOKEN_ENV}) "
+                                                   f"or server.auth_token_file, not both")
+            return None
+        try:
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            c.fail("server.auth_token_file", path, f"cannot be read ({exc}); give a readable file holding the token")
+            return None
+        if not token:
+            c.fail("server.auth_token_file", path, "is empty; write the token into it")
+            return None
+    if token is None:
+        return None
+    if token == "":
+        c.fail("server.auth_token", "", f"an empty token would turn authentication off: leave server.auth_token "
+                                        f"unset (and ${AUTH_TOKEN_ENV} unset) for no token, or give one")
+        return None
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        c.fail("server.auth_token", REDACTED, "must be printable ASCII without spaces: clients send it in the "
+                                              "header 'authorization: Bearer <token>'")
+        return None
+    return token
 
 
 def _check_layout(c: _Checker, model: DictConfig) -> None:

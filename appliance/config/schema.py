@@ -97,6 +97,7 @@ class ServerConfig:
     tls_cert_file: Optional[str] = None
     tls_key_file: Optional[str] = None
     auth_token: Optional[str] = None
+    auth_token_file: Optional[str] = None
     max_message_bytes: int = MISSING
     grace_period_s: float = MISSING
     startup_timeout_s: float = MISSING

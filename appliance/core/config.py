@@ -8,7 +8,7 @@ Every field is keyword-only: the composer builds these from dicts. No Hydra, no 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from appliance.core.kv_cache_spec import CacheGroupSpec
@@ -65,7 +65,8 @@ class ServerSettings:
     insecure: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)   # the secret itself: never printed
+    auth_token_file: str | None = None
     max_message_bytes: int
     grace_period_s: float
     startup_timeout_s: float
@@ -118,6 +119,11 @@ class ModelSpec:
     weights: str
     tokenizer: str | None
     weights_seed: int
+
+    @property
+    def weights_label(self) -> str:
+        """"random (seed N)" or the checkpoint directory, as reports and the startup log name the weights."""
+        return f"random (seed {self.weights_seed})" if self.weights == "random" else self.weights
 
     @property
     def main_layer_ratios(self) -> tuple[int, ...]:

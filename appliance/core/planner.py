@@ -17,8 +17,7 @@ from typing import Sequence
 from appliance.core.config import RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
-
-GiB = 1 << 30
+from appliance.core.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,8 @@ class InsufficientMemoryError(StartupError, RuntimeError):
 
 
 def format_bytes(n: int) -> str:
-    """Exact bytes for checking, GiB for reading: '1,073,741,824 B (1.00 GiB)'."""
-    return f"{n:,} B ({n / GiB:.2f} GiB)"
+    """Exact bytes for checking, a readable unit for reading: '1,073,741,824 B (1.00 GiB)', '512 B'."""
+    return f"{n:,} B" if abs(n) < 1024 else f"{n:,} B ({human_bytes(n)})"
 
 
 _ADVICE = ("raise npu_memory_utilization, lower max_model_len or decode_batch, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
@@ -81,23 +82,84 @@ class CompletionResult:
     usage: Usage | None = None
 
 
+# Documented request limits (README "Request limits"): bounded so that one request cannot make stop
+# matching, metadata or tokenization expensive for everyone else.
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request is checked against: the model's vocabulary and the deployment's max_model_len."""
+    """What a request is checked against: the model's vocabulary, the deployment's max_model_len, and the
+    longest token of the tokenizer in UTF-8 bytes (a text of more than (max_model_len - 1) x that many bytes
+    cannot fit, so it is refused before it is tokenized)."""
 
     vocab_size: int
     max_model_len: int
+    max_token_bytes: int
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Bytes of prompt text beyond which the prompt surely has more than max_model_len - 1 tokens."""
+        return (self.max_model_len - 1) * self.max_token_bytes
+
+
+def validate_request_id(request_id: str) -> None:
+    """gRPC metadata carries the id back (header "request-id"): printable ASCII only, and bounded."""
+    if not request_id:
+        raise RequestError("request_id", "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError("request_id", f"has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    bad = sorted({c for c in request_id if not (c.isascii() and c.isprintable())})
+    if bad:
+        raise RequestError("request_id", f"must be printable ASCII (0x20-0x7e); it contains {bad[:5]}")
+
+
+def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
+    """The sampling fields alone (no prompt): ranges, finiteness and the documented stop limits."""
+    if params.max_tokens <= 0:
+        raise RequestError("sampling.max_tokens", f"{params.max_tokens} must be > 0")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise RequestError("sampling.temperature", f"{params.temperature} must be a finite number >= 0")
+    if not 0 < params.top_p <= 1:      # also refuses NaN
+        raise RequestError("sampling.top_p", f"{params.top_p} must be in (0, 1]")
+    if params.top_k < 0:
+        raise RequestError("sampling.top_k", f"{params.top_k} must be >= 0")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise RequestError("sampling.stop", f"{len(params.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            raise RequestError(f"sampling.stop[{i}]", "must not be empty (it would end every request at once)")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise RequestError(f"sampling.stop[{i}]", f"has {len(stop)} characters; at most {MAX_STOP_STRING_CHARS}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("sampling.stop_token_ids",
+                           f"{len(params.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError("sampling.stop_token_ids",
+                           f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
 
 
 def validate_request(request_id: str, prompt: str | Sequence[int], params: SamplingParams, limits: RequestLimits,
                      encode: Callable[[str], list[int]]) -> list[int]:
     """The prompt's token ids, or RequestError naming the first bad field. Every front end and the engine
-    call this one function, so a request is refused the same way wherever it arrives."""
-    if not request_id:
-        raise RequestError("request_id", "must not be empty")
+    call this one function, so a request is refused the same way wherever it arrives. Everything cheap is
+    checked before the prompt is tokenized, and a text too long to fit is refused by its size in bytes."""
+    validate_request_id(request_id)
+    validate_sampling(params, limits)
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt", "must not be empty")
+        # A character is at least one byte: a long text is refused without even encoding it.
+        size = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode("utf-8", "surrogatepass"))
+        if size > limits.max_prompt_bytes:
+            raise RequestError("prompt", f"{size:,} bytes of text (at least) cannot fit in max_model_len "
+                                         f"{limits.max_model_len} tokens: at most {limits.max_prompt_bytes:,} bytes "
+                                         f"({limits.max_model_len - 1} tokens x {limits.max_token_bytes} bytes, the "
+                                         f"tokenizer's longest token)")
         ids = encode(prompt)
     else:
         ids = list(prompt)
@@ -107,15 +169,7 @@ def validate_request(request_id: str, prompt: str | Sequence[int], params: Sampl
                                f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     if not ids:
         raise RequestError("prompt", "must not be empty")
-    if params.max_tokens <= 0:
-        raise RequestError("sampling.max_tokens", f"{params.max_tokens} must be > 0")
     if len(ids) + params.max_tokens > limits.max_model_len:
         raise RequestError("sampling.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                                   f"exceeds max_model_len {limits.max_model_len}")
-    if params.temperature < 0:
-        raise RequestError("sampling.temperature", f"{params.temperature} must be >= 0")
-    if not 0 < params.top_p <= 1:
-        raise RequestError("sampling.top_p", f"{params.top_p} must be in (0, 1]")
-    if params.top_k < 0:
-        raise RequestError("sampling.top_k", f"{params.top_k} must be >= 0")
     return ids

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
-from appliance.core.planner import CapacityPlan, GiB
+from appliance.core.planner import CapacityPlan
+from appliance.core.units import human_bytes
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -28,10 +29,6 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-def gib(n: int) -> str:
-    return f"{n / GiB:,.2f} GiB"
-
-
 def cache_group_table(specs: Sequence[CacheGroupSpec], max_model_len: int, decode_batch: int) -> str:
     rows = [(s.name, s.history, s.num_layers, s.rows_per_block, f"{s.row_dtype} x {s.row_width}"
              + (f" + {s.row_extra_bytes} B" if s.row_extra_bytes else ""), s.page_size_bytes,
@@ -44,16 +41,18 @@ def cache_group_table(specs: Sequence[CacheGroupSpec], max_model_len: int, decod
 
 
 def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan") -> str:
-    dev_rows = [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.peak_non_kv_bytes), gib(d.usable_bytes),
-                 gib(d.budget_bytes), gib(d.headroom_bytes)) for d in plan.devices]
+    dev_rows = [(d.name, human_bytes(d.total_bytes), human_bytes(d.free_bytes), human_bytes(d.peak_non_kv_bytes),
+                 human_bytes(d.usable_bytes), human_bytes(d.budget_bytes), human_bytes(d.headroom_bytes))
+                for d in plan.devices]
     # Identical devices collapse to one row so that a 16-device profile stays readable.
     if len({r[1:] for r in dev_rows}) == 1 and len(dev_rows) > 1:
         dev_rows = [(f"{dev_rows[0][0]} (x{len(dev_rows)} identical)",) + dev_rows[0][1:]]
     devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"], dev_rows)
     groups = format_table(
-        ["group", "history", "layers", "page bytes", "blocks/seq", "num_blocks", "bytes", "share of budget"],
-        [(g.name, g.history, g.num_layers, g.page_size_bytes, g.max_blocks_per_seq, g.num_blocks, g.bytes,
-          g.share_of_budget) for g in plan.groups])
+        ["group", "history", "layers", "rows/block", "page bytes", "blocks/seq", "num_blocks", "bytes",
+         "share of budget"],
+        [(g.name, g.history, g.num_layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq, g.num_blocks,
+          g.bytes, g.share_of_budget) for g in plan.groups])
     lines = [
         f"== {title} ==",
         devices,
@@ -63,9 +62,12 @@ def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan
         f"utilization {plan.utilization}   decode_batch {plan.decode_batch}   max_model_len {plan.max_model_len}"
         f"   block_size {plan.block_size}",
         f"limiting device {plan.limiting_device}: budget {plan.budget_bytes:,} B = scratch {plan.scratch_bytes:,} B"
-        f" + {plan.capacity_slots} slots x {plan.bytes_per_slot:,} B + unused {plan.unused_bytes:,} B",
-        f"capacity_slots {plan.capacity_slots} per device   KV tokens {plan.kv_tokens_per_device:,} per device   "
-        f"max concurrency at max_model_len {plan.max_concurrency} ({len(plan.devices)} device(s))",
+        f" + KV cache {plan.kv_cache_bytes:,} B ({plan.capacity_slots:,} slots x {plan.bytes_per_slot:,} B)"
+        f" + unused {plan.unused_bytes:,} B",
+        f"per device:  capacity_slots {plan.capacity_slots:,} (sequences of max_model_len {plan.max_model_len} "
+        f"one device's pools hold)   KV tokens {plan.kv_tokens_per_device:,}",
+        f"deployment:  max concurrency {plan.max_concurrency:,} sequences at max_model_len = "
+        f"{plan.capacity_slots:,} slots x {len(plan.devices)} device(s), each a data-parallel rank with its own pools",
     ]
     if plan.override:
         lines.append(f"override: {plan.override}")

@@ -8,6 +8,7 @@ on every machine. No torch here.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -129,8 +130,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token covers more bytes of input text (byte-level
+        entries spell one byte per character, sentencepiece and byte-fallback entries at least as many), so
+        a text of N bytes has at least N / max_token_bytes tokens."""
+        return max(len(token.encode("utf-8")) for token in self.tk.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.tk.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized in a
+        # worker thread does not stall the server's event loop, health checks included.
+        ids = self.tk.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -44,6 +44,7 @@ class RequestHandle:
         self.engine = engine
         self.request_id = request_id
         self.outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self.seq: Sequence | None = None
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
@@ -53,7 +54,8 @@ class RequestHandle:
                 return
 
     def abort(self) -> None:
-        self.engine.abort(self.request_id)
+        """Abort this request (never a later one that reuses its id)."""
+        self.engine.abort_sequence(self.seq)
 
 
 class Engine:
@@ -66,12 +68,14 @@ class Engine:
         self._runner = None
         self._sampler = None
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._in_flight: set[str] = set()
+        # request_id -> its live Sequence. An id leaves at once when its request finishes or is aborted (not
+        # when the loop gets to the abort), so a client may reuse it the moment its call ends.
+        self._in_flight: dict[str, Sequence] = {}
         self._lock = threading.Lock()
         self._draining = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.limits = RequestLimits(rc.model.layout.vocab_size, rc.max_model_len)
+        self.limits: RequestLimits | None = None
         self.steps = 0
         self._preflight: Preflight | None = None
         self._stats = StatsRecorder()
@@ -93,6 +97,8 @@ class Engine:
         the loop."""
         checked = self.prepare()
         self.tokenizer = checked.tokenizer
+        self.limits = RequestLimits(self.rc.model.layout.vocab_size, self.rc.max_model_len,
+                                    self.tokenizer.max_token_bytes)
         runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
@@ -117,14 +123,13 @@ class Engine:
                     return
             time.sleep(0.01)
         with self._lock:
-            remaining = list(self._in_flight)
-        for request_id in remaining:
-            self.abort(request_id)
-        while time.monotonic() < deadline + 5:
-            with self._lock:
-                if not self._in_flight:
-                    return
-            time.sleep(0.01)
+            remaining = list(self._in_flight.values())
+        for seq in remaining:
+            self.abort_sequence(seq)
+        # The inbox is in order: once the loop reaches this marker, every abort above has been streamed.
+        flushed = threading.Event()
+        self._inbox.put(("flush", flushed))
+        flushed.wait(5)
 
     def shutdown(self) -> None:
         self._draining = True
@@ -141,24 +146,33 @@ class Engine:
                on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         if self.report is None or self._draining:
             raise EngineUnavailableError("the engine is starting" if self.report is None else "the engine is draining")
-        prompt_ids = self._validate(request_id, prompt, params)
+        prompt_ids = validate_request(request_id, prompt, params, self.limits, self.tokenizer.encode)
         handle = RequestHandle(self, request_id)
         seq = Sequence(request_id, prompt_ids, params, on_output or handle.outputs.put)
+        handle.seq = seq
         with self._lock:
             if request_id in self._in_flight:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")
             if len(self._in_flight) >= self.rc.max_waiting_requests + self.rc.max_num_seqs:
                 raise QueueFullError(
                     f"{len(self._in_flight)} requests in flight; the wait queue holds {self.rc.max_waiting_requests}")
-            self._in_flight.add(request_id)
-        self._inbox.put(("add", seq))
+            self._in_flight[request_id] = seq
+            self._inbox.put(("add", seq))     # under the lock: an abort of an earlier holder of this id comes first
         return handle
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        """Abort the request now holding request_id, if any."""
+        with self._lock:
+            seq = self._in_flight.get(request_id)
+        self.abort_sequence(seq)
 
-    def _validate(self, request_id: str, prompt: str | list[int], p: SamplingParams) -> list[int]:
-        return validate_request(request_id, prompt, p, self.limits, self.tokenizer.encode)
+    def abort_sequence(self, seq: Sequence | None) -> None:
+        """Free seq's request_id at once; the loop finishes the sequence (frees its blocks) at its next step."""
+        with self._lock:
+            if seq is None or self._in_flight.get(seq.request_id) is not seq:
+                return                        # finished already, or the id now belongs to a newer request
+            del self._in_flight[seq.request_id]
+            self._inbox.put(("abort", seq))
 
     # -- introspection (tests, metrics) --------------------------------------------------------------
     def kv_free_blocks(self) -> dict[str, int]:
@@ -200,8 +214,10 @@ class Engine:
                 if kind == "add":
                     by_id[item.request_id] = item
                     sched.add(item)
-                elif kind == "abort" and item in by_id:
-                    self._finish(by_id.pop(item), FinishReason.ABORTED)
+                elif kind == "abort" and by_id.get(item.request_id) is item:
+                    self._finish(by_id.pop(item.request_id), FinishReason.ABORTED)
+                elif kind == "flush":
+                    item.set()
                 try:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -308,6 +324,7 @@ class Engine:
         self._sampler.release(seq.request_id)
         seq.num_text_emitted += len(new_text)
         with self._lock:
-            self._in_flight.discard(seq.request_id)
+            if self._in_flight.get(seq.request_id) is seq:
+                del self._in_flight[seq.request_id]
         self._stats.record_finished(reason.value, time.monotonic() - seq.arrival_time)
         seq.emit(new_tokens or [], new_text)

@@ -16,15 +16,19 @@ def make_plan(rc: RuntimeConfig) -> CapacityPlan:
     return plan_for_config(rc, offline_devices(rc))
 
 
-def run_plan(rc: RuntimeConfig, output_dir: Path | None = None) -> dict[str, Any]:
+def run_plan(rc: RuntimeConfig, output_dir: Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Print the plan and write plan.json. quiet (a job of a sweep): print nothing; the sweep prints one
+    progress line per job and the table of all jobs at the end."""
     plan = make_plan(rc)
+    result = {"status": "ok", "mode": "plan", "model": rc.model.name, "plan": plan.to_dict()}
+    path = write_result(output_dir, "plan.json", result)
+    if quiet:
+        return result
     source = ("given plan.peak_non_kv_bytes" if rc.plan.peak_non_kv_bytes is not None else
               f"estimated: weights from the layout / {len(plan.devices)} devices + activation allowance "
               f"{rc.plan.activation_allowance_bytes:,} B")
     print(capacity_plan_table(plan, title=f"KV-cache capacity plan: {rc.model.name} on {len(plan.devices)} x "
                                           f"{rc.device.kind} (peak_non_kv {source})"))
-    result = {"status": "ok", "mode": "plan", "model": rc.model.name, "plan": plan.to_dict()}
-    path = write_result(output_dir, "plan.json", result)
     if path:
         print(f"plan written to {path}")
     return result

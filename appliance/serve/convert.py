@@ -1,6 +1,6 @@
 """Proto <-> core conversions, in one place for the server and the client (both directions of every enum).
 
-StartupReport -> StartupResponse, SamplingParams <-> proto SamplingParams, GenerateRequest -> prompt,
+StartupReport <-> StartupResponse, SamplingParams <-> proto SamplingParams, GenerateRequest -> prompt,
 RequestOutput <-> GenerateResponse, EngineStats -> StatsResponse.
 """
 
@@ -15,6 +15,7 @@ from appliance.core.request import (
     SamplingParams,
     Usage,
 )
+from appliance.core.planner import CapacityPlan, DeviceBudget, GroupPlan
 from appliance.core.startup_report import StartupReport
 from appliance.engine.stats import EngineStats, HistogramSnapshot
 from appliance.serve.api import appliance_pb2 as pb
@@ -53,6 +54,27 @@ def startup_response(report: StartupReport) -> pb.StartupResponse:
         load_seconds=report.load_seconds, profile_seconds=report.profile_seconds,
         allocate_seconds=report.allocate_seconds, notes=list(report.notes),
     )
+
+
+def startup_report(msg: pb.StartupResponse) -> StartupReport:
+    """The inverse of startup_response, so the client prints the same tables as the server (every number)."""
+    plan = CapacityPlan(
+        utilization=msg.npu_memory_utilization, decode_batch=msg.decode_batch, max_model_len=msg.max_model_len,
+        block_size=msg.block_size,
+        devices=tuple(DeviceBudget(d.name, d.total_bytes, d.free_bytes, d.peak_non_kv_bytes, d.usable_bytes,
+                                   d.budget_bytes, d.headroom_bytes) for d in msg.devices),
+        limiting_device=msg.limiting_device, budget_bytes=msg.budget_bytes, scratch_bytes=msg.scratch_bytes,
+        bytes_per_slot=msg.bytes_per_slot, capacity_slots=msg.capacity_slots,
+        groups=tuple(GroupPlan(g.name, HISTORY_NAMES.get(g.history, "?"), g.layers, g.rows_per_block,
+                               g.page_size_bytes, g.max_blocks_per_seq, g.num_blocks, g.total_bytes, g.share_of_budget)
+                     for g in msg.cache_groups),
+        kv_cache_bytes=msg.kv_cache_bytes, unused_bytes=msg.budget_bytes - msg.scratch_bytes - msg.kv_cache_bytes,
+        kv_tokens_per_device=msg.kv_tokens_per_device, max_concurrency=msg.max_concurrency,
+        override=msg.override or None)
+    return StartupReport(model_name=msg.model_name, arch=msg.arch, device_kind=msg.device_kind,
+                         device_count=msg.device_count, plan=plan, resolved_config_yaml=msg.resolved_config_yaml,
+                         weights=msg.weights, load_seconds=msg.load_seconds, profile_seconds=msg.profile_seconds,
+                         allocate_seconds=msg.allocate_seconds, notes=tuple(msg.notes))
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:

@@ -43,6 +43,7 @@ from appliance.modes.results import write_result
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.api import appliance_pb2_grpc as pb_grpc
 from appliance.serve.auth import BearerTokenInterceptor
+from appliance.serve.malformed import MalformedRequestInterceptor
 from appliance.serve.convert import (
     generate_response,
     request_prompt,
@@ -121,6 +122,12 @@ class ApplianceService(pb_grpc.ApplianceServicer):
         return stats_response(self._server.engine.stats(), self._server.state)
 
 
+def host_port(host: str, port: int | None) -> str:
+    """"HOST:PORT" for gRPC; an IPv6 literal, given with or without brackets, gets exactly one pair."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ServerBindError(StartupError, OSError):
     """server.host:server.port cannot be bound (the CLI exits 2 with the message)."""
 
@@ -178,8 +185,7 @@ class ApplianceServer:
 
     @property
     def address(self) -> str:
-        host = self.rc.server.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(self.rc.server.host, self.port)
 
     def request_shutdown(self) -> None:
         """Thread-safe: begin the graceful shutdown (what SIGTERM/SIGINT do)."""
@@ -226,6 +232,7 @@ class ApplianceServer:
                    ("grpc.max_receive_message_length", srv.max_message_bytes),
                    ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
         interceptors = [BearerTokenInterceptor(srv.auth_token)] if srv.auth_token else []
+        interceptors.append(MalformedRequestInterceptor())
         self._server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -233,7 +240,7 @@ class ApplianceServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        bind = f"[{srv.host}]:{srv.port}" if ":" in srv.host else f"{srv.host}:{srv.port}"
+        bind = host_port(srv.host, srv.port)
         check_port_free(srv.host, srv.port)
         port = 0
         try:
@@ -263,9 +270,9 @@ class ApplianceServer:
                 raise ServerBindError(str(exc)) from None
             raise
         srv = self.rc.server
-        host = f"[{srv.host}]" if ":" in srv.host else srv.host
+        where = host_port(srv.host, port)
         scheme = "https" if srv.tls_cert_file else "http"
-        print(f"http listening on {host}:{port} ({scheme}://{host}:{port}/v1 OpenAI-compatible, /health, /metrics"
+        print(f"http listening on {where} ({scheme}://{where}/v1 OpenAI-compatible, /health, /metrics"
               f"{'; bearer token' if srv.auth_token else ''})", flush=True)
 
     async def _stop_http(self) -> None:

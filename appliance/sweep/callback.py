@@ -13,6 +13,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from appliance.core.secrets import redact
 from appliance.sweep.collect import collect_sweep
 from appliance.sweep.jobs import RESULT_FILES
 from appliance.sweep.progress import (
@@ -49,7 +50,9 @@ class SweepCollector(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._main_pid = os.getpid()
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        self._progress = SweepProgress(sweep_dir, count_jobs(config), hide=constant_overrides(config))
+        total = count_jobs(config)
+        self._progress = SweepProgress(sweep_dir, total, hide=redact(constant_overrides(config)))
+        print(f"[sweep] {total if total is not None else 'some'} jobs; results in {sweep_dir}", flush=True)
         self._started = time.perf_counter()
         self._progress.start(self.progress_interval_s)
 

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from appliance.core.secrets import redact
 from appliance.sweep.jobs import result_metrics
 from appliance.sweep.tables import format_value
 
@@ -53,7 +54,7 @@ class SweepProgress:
         d = Path(sweep_dir) / PROGRESS_DIR
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{job}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"job": job, "overrides": list(overrides), "summary": summary}))
+        tmp.write_text(json.dumps({"job": job, "overrides": redact(list(overrides)), "summary": summary}))
         os.replace(tmp, d / f"{job}.json")
 
     def poll(self) -> int:

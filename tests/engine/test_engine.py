@@ -117,3 +117,24 @@ def test_stop_rules_and_sampling_seed():
         assert s1[0].token_ids == s1[1].token_ids == s2[0].token_ids
         s3 = app.generate([p], SamplingParams(max_tokens=12, temperature=1.0, seed=6))
         assert s3[0].token_ids != s1[0].token_ids
+
+
+def test_an_aborted_request_id_is_free_at_once():
+    """The id leaves the engine when abort returns, not when the loop gets to it; aborting an old handle never
+    touches the newer request that reuses its id."""
+    with Appliance.from_config(MODELS["qwen3_tiny"]) as app:
+        engine = app.engine
+        p = prompts(1, 10, 10, seed=4)[0]
+        expected = app.generate([p], greedy(6))[0].token_ids
+        for _ in range(20):
+            old = engine.submit("same", p, greedy(200))
+            next(iter(old))                                   # streaming
+            old.abort()
+            new = engine.submit("same", p, greedy(6))         # no "already in flight"
+            old.abort()                                       # a second abort of the old one is a no-op
+            outs = list(new)
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+            assert [t for o in outs for t in o.new_token_ids] == expected
+            assert list(old)[-1].finish_reason is FinishReason.ABORTED
+        assert engine.num_in_flight() == 0
+        assert engine.kv_free_blocks() == engine.kv_total_blocks()

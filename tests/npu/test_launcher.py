@@ -177,3 +177,35 @@ def test_the_check_counts_the_least_kv_cache_too():
     check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need))
     with pytest.raises(InsufficientMemoryError, match="shortfall                       1 B"):
         check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need - 1))
+
+
+def test_startup_reports_each_phase_in_order(caplog):
+    rc = load_runtime_config(DSV4_SERVE)
+    with caplog.at_level("INFO", logger="npu.launcher"):
+        launch(rc, fake_npus(40 * GiB, rc), ShapeOnlyRunner(rc.model))
+    phases = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[")]
+    assert [p[:5] for p in phases] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert "loading weights" in phases[0] and "profiling" in phases[1]
+    assert "planning" in phases[2] and "allocating" in phases[3] and "GiB of KV cache" in phases[3]
+
+
+@pytest.mark.parametrize("make", ["random", "checkpoint"])
+def test_weights_load_with_a_progress_bar(monkeypatch, tmp_path, make):
+    """Loading shows a per-tensor bar (tqdm on stderr) that reaches every tensor."""
+    import npu.weights as weights
+    bars = []
+
+    class Recorder(weights.tqdm):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            bars.append(self)
+    monkeypatch.setattr(weights, "tqdm", Recorder)
+    expected = {"a.weight": ((4, 4), torch.float32), "norm.weight": ((4,), torch.float32)}
+    if make == "random":
+        weights.random_state_dict(expected, seed=0, device="cpu")
+    else:
+        from safetensors.torch import save_file
+        save_file({"a.weight": torch.ones(4, 4), "norm.weight": torch.ones(4)}, str(tmp_path / "m.safetensors"))
+        weights.load_state_dict(tmp_path, expected, "cpu")
+    assert [(b.total, b.n) for b in bars] == [(2, 2)]
+    assert bars[0].desc in ("making random weights", "loading weights")

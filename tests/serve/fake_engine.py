@@ -26,6 +26,7 @@ from appliance.engine.stats import EngineStats, GroupUsage
 
 class ByteTokenizer:
     eos_token_id = 0
+    max_token_bytes = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -112,8 +113,9 @@ class FakeEngine:
     def submit(self, request_id, prompt, params, on_output=None):
         if self.report is None or self.draining:
             raise EngineUnavailableError("starting" if self.report is None else "draining")
-        ids = validate_request(request_id, prompt, params, RequestLimits(self.VOCAB, self.rc.max_model_len),
-                               self.tokenizer.encode)     # the engine's own validation
+        ids = validate_request(request_id, prompt, params,    # the engine's own validation
+                               RequestLimits(self.VOCAB, self.rc.max_model_len, self.tokenizer.max_token_bytes),
+                               self.tokenizer.encode)
         with self._lock:
             if request_id in self.requests:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")

@@ -24,7 +24,16 @@ from appliance.client import ApplianceClient
 from appliance.client import main as client_main
 from appliance.config.compose import load_runtime_config
 from appliance.core.planner import InsufficientMemoryError
-from appliance.core.request import FinishReason, RequestOutput, Usage
+from appliance.core.units import human_bytes
+from appliance.core.request import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    FinishReason,
+    RequestOutput,
+    Usage,
+)
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
 from appliance.serve.server import ApplianceServer, ServerBindError
@@ -56,9 +65,9 @@ def with_server(rc, **changes):
 class Running:
     """An ApplianceServer on its own event loop thread."""
 
-    def __init__(self, rc, engine):
+    def __init__(self, rc, engine, output_dir=None):
         self.engine = engine
-        self.server = ApplianceServer(rc, engine)
+        self.server = ApplianceServer(rc, engine, output_dir)
         self.result = None
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -67,7 +76,7 @@ class Running:
         while self.server.port is None:
             assert time.monotonic() < deadline and self.thread.is_alive(), f"server did not bind: {self.error}"
             time.sleep(0.01)
-        self.address = f"127.0.0.1:{self.server.port}"
+        self.address = self.server.address
 
     def _run(self):
         try:
@@ -78,6 +87,11 @@ class Running:
     def client(self, **kw) -> ApplianceClient:
         return ApplianceClient(self.address, **kw)
 
+    def wait_serving(self, timeout: float = 120):
+        """Wait for the state, not for a time: requests sent before SERVING are answered UNAVAILABLE."""
+        wait_for(lambda: self.server.state != "starting" or not self.thread.is_alive(), timeout, "SERVING")
+        assert self.server.state == "serving", f"server did not start: {self.error!r}"
+
     def stop(self, timeout: float = 20):
         self.server.request_shutdown()
         self.thread.join(timeout)
@@ -86,12 +100,15 @@ class Running:
 
 @pytest.fixture
 def running(base_rc):
+    """start(rc, **engine_kw) -> a Running server, already SERVING unless the test holds or fails the start."""
     servers = []
 
-    def start(rc=None, **engine_kw):
+    def start(rc=None, output_dir=None, **engine_kw):
         rc = rc or base_rc
-        srv = Running(rc, FakeEngine(rc, **engine_kw))
+        srv = Running(rc, FakeEngine(rc, **engine_kw), output_dir)
         servers.append(srv)
+        if engine_kw.get("start_gate") is None and engine_kw.get("start_error") is None:
+            srv.wait_serving()
         return srv
     yield start
     for srv in servers:
@@ -99,7 +116,8 @@ def running(base_rc):
             srv.stop()
 
 
-def wait_for(cond, timeout=5.0, what="condition"):
+def wait_for(cond, timeout=30.0, what="condition"):
+    """Poll a state; the timeout only ends a hung test (it is no statement about speed)."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -245,29 +263,68 @@ def test_generate_streams_deltas_then_finish_and_usage(running):
     assert by_ids[0].request_id and by_ids[0].request_id != "r1"      # server-assigned id
 
 
-@pytest.mark.parametrize("prompt, sampling, field", [
+@pytest.mark.parametrize("prompt, kw, field", [
     ("", {}, "prompt"),
     (None, {}, "prompt"),
     ([1, 2, 300], {}, "prompt_token_ids"),
+    ("x" * 600, {"max_tokens": 1}, "prompt"),                  # more bytes than max_model_len tokens can hold
     ("hi", {"max_tokens": 0}, "sampling.max_tokens"),
     ("hi", {"max_tokens": -3}, "sampling.max_tokens"),
     ("hi", {"max_tokens": 100_000}, "sampling.max_tokens"),
     ("hi", {"temperature": -0.5}, "sampling.temperature"),
+    ("hi", {"temperature": float("nan")}, "sampling.temperature"),
+    ("hi", {"temperature": float("inf")}, "sampling.temperature"),
     ("hi", {"top_p": 0.0}, "sampling.top_p"),
     ("hi", {"top_p": 1.5}, "sampling.top_p"),
+    ("hi", {"top_p": float("nan")}, "sampling.top_p"),
     ("hi", {"top_k": -1}, "sampling.top_k"),
+    ("hi", {"stop": [""]}, "sampling.stop[0]"),
+    ("hi", {"stop": ["a", ""]}, "sampling.stop[1]"),
+    ("hi", {"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop"),
+    ("hi", {"stop": ["s" * (MAX_STOP_STRING_CHARS + 1)]}, "sampling.stop[0]"),
+    ("hi", {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "sampling.stop_token_ids"),
+    ("hi", {"stop_token_ids": [256]}, "sampling.stop_token_ids"),
+    ("hi", {"request_id": "line\nbreak"}, "request_id"),
+    ("hi", {"request_id": "caf\u00e9"}, "request_id"),
+    ("hi", {"request_id": "r" * (MAX_REQUEST_ID_CHARS + 1)}, "request_id"),
 ])
-def test_bad_requests_are_invalid_argument_naming_the_field(running, prompt, sampling, field):
+def test_bad_requests_are_invalid_argument_naming_the_field(running, prompt, kw, field):
     srv = running()
     stub = srv.client().stub
-    req = generate_request(prompt if prompt is not None else "x", **sampling)
+    req = generate_request(prompt if prompt is not None else "x", **kw)
     if prompt is None:
         req.ClearField("text")
     err = rpc_error(lambda: list(stub.Generate(req, timeout=10)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.details()
     assert ("invalid-field", field) in tuple(err.trailing_metadata())
+    assert not srv.engine.requests                                   # refused before it was submitted
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
+
+
+def test_request_id_limits_accept_the_longest_printable_id(running):
+    srv = running()
+    longest = "".join(chr(32 + i % 95) for i in range(MAX_REQUEST_ID_CHARS))
+    call = srv.client().stub.Generate(generate_request("hi", request_id=longest, max_tokens=2), timeout=10)
+    assert [m.request_id for m in call] == [longest, longest]
+
+
+@pytest.mark.parametrize("method, payload", [
+    ("/appliance.v1.Appliance/Generate", b"\xff\xff\xff"),                  # corrupt wire format
+    ("/appliance.v1.Appliance/Generate", b"\x0a\x02\xff\xfe"),              # request_id with invalid UTF-8
+    ("/appliance.v1.Appliance/Generate", b"\x12\x03\xc3\x28a"),             # prompt text with invalid UTF-8
+    ("/appliance.v1.Appliance/Startup", b"\xff\xff\xff"),
+    ("/grpc.health.v1.Health/Check", b"\x0a\x01\xff"),
+])
+def test_malformed_messages_are_invalid_argument(running, method, payload):
+    srv = running()
+    channel = grpc.insecure_channel(srv.address)
+    raw = (channel.unary_stream if method.endswith("Generate") else channel.unary_unary)(method)
+    err = rpc_error(lambda: list(raw(payload, timeout=10)) if method.endswith("Generate") else raw(payload, timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert "malformed request message" in err.details()
+    assert srv.client().complete("hi", max_tokens=2)[0] == expected_tokens("hi", 2)   # the server goes on
+    channel.close()
 
 
 def test_duplicate_request_id_in_flight_is_invalid_argument(running):
@@ -301,16 +358,18 @@ def test_client_cancel_aborts_the_request_and_frees_its_blocks(running):
     next(stream)
     assert srv.engine.kv_free_blocks() != srv.engine.kv_total_blocks()
     stream.close()                                   # cancels the call
-    wait_for(lambda: "cancel-me" in srv.engine.aborted, timeout=2, what="abort")
+    wait_for(lambda: "cancel-me" in srv.engine.aborted, what="abort")
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
 
 
 def test_client_deadline_aborts_the_request(running):
-    srv = running(step_s=0.02)
+    srv = running(step_s=0.05)                       # 400 tokens take 20 s: the deadline comes first
     c = srv.client()
-    err = rpc_error(lambda: c.complete("a", max_tokens=400, request_id="slow", timeout=0.3))
+    stream = c.generate("a", max_tokens=400, request_id="slow", timeout=3)
+    next(stream)                                     # the request is in the engine
+    err = rpc_error(lambda: list(stream))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: "slow" in srv.engine.aborted, timeout=2, what="abort")
+    wait_for(lambda: "slow" in srv.engine.aborted, what="abort")
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
 
 
@@ -378,6 +437,25 @@ def test_bearer_token(base_rc, running):
     assert right.complete("hi", max_tokens=3)[0] == expected_tokens("hi", 3)
 
 
+def test_the_token_is_never_returned_or_written(running, tmp_path, capsys):
+    token = "Tok3n-0f-the-day"
+    rc = load_runtime_config(["server.port=0", f"server.auth_token={token}"])
+    srv = running(rc, output_dir=tmp_path)
+    resp = srv.client(token=token).startup(timeout=10)
+    assert token not in resp.resolved_config_yaml and "auth_token: '***'" in resp.resolved_config_yaml
+    written = (tmp_path / "startup_report.json").read_text()
+    assert token not in written and "auth_token: '***'" in written
+    srv.stop()
+    assert token not in "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_ipv6_literal_hosts_with_or_without_brackets(base_rc, running, host):
+    srv = running(with_server(base_rc, host=host))
+    assert srv.address == f"[::1]:{srv.server.port}"
+    assert srv.client().complete("hi", max_tokens=2)[0] == expected_tokens("hi", 2)
+
+
 def test_reflection_lists_and_describes_the_services(running):
     srv = running()
     channel = grpc.insecure_channel(srv.address)
@@ -412,12 +490,39 @@ def test_tls(base_rc, running, tmp_path):
     assert rpc_error(lambda: plain.health(timeout=2)).code() == grpc.StatusCode.UNAVAILABLE
 
 
+def shown_numbers(msg) -> list[str]:
+    """How every number of a Startup message (nested ones too) reads in the terminal tables."""
+    out = []
+    for field, value in msg.ListFields():
+        if field.type == field.TYPE_MESSAGE:
+            for item in value if field.is_repeated else [value]:
+                out += shown_numbers(item)
+        elif field.type == field.TYPE_ENUM or field.is_repeated or isinstance(value, str):
+            continue
+        elif field.name.endswith("_seconds"):
+            out.append(f"{value:.2f} s")
+        elif field.name == "share_of_budget":
+            out.append(f"{value:.1%}")
+        elif field.name == "npu_memory_utilization":
+            out.append(f"utilization {value:g}")
+        elif field.containing_type.name == "DeviceMemory":
+            out.append(human_bytes(value))
+        else:
+            out.append(f"{value:,}")
+    return out
+
+
 def test_client_cli(running, capsys):
     srv = running()
     assert client_main(["--address", srv.address, "--startup"]) == 0
     out = capsys.readouterr().out
     rc = srv.server.rc
-    assert f"model {rc.model.name} ({rc.model.arch})" in out
+    assert f"{rc.model.name} ({rc.model.arch})" in out
+    msg = srv.client().startup(timeout=10)
+    numbers = shown_numbers(msg)
+    assert len(numbers) > 40 and [n for n in numbers if n not in out] == []
+    unused = msg.budget_bytes - msg.scratch_bytes - msg.kv_cache_bytes
+    assert f"+ unused {unused:,} B" in out
     for g in rc.model.cache_groups:
         assert g.name in out
     assert client_main(["--address", srv.address, "--max-tokens", "6", "hello"]) == 0
@@ -469,3 +574,22 @@ def test_signal_drains_and_exits_zero(sig):
             proc.kill()
     assert proc.returncode == 0, "".join(lines) + out
     assert "result ok shutdown True drained [5.0]" in out
+
+
+@pytest.mark.parametrize("args", [["--health"], ["--startup"], ["hello"]])
+def test_client_without_a_server_says_how_to_start_one(capsys, args):
+    import socket
+    with socket.socket() as sock:            # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    assert client_main(["--address", address, *args]) == 1
+    err = capsys.readouterr().err
+    assert f"no appliance server answers at {address}" in err
+    assert "python -m appliance" in err and "--address" in err and "Traceback" not in err
+
+
+def test_startup_report_round_trips_through_the_response(running):
+    from appliance.serve.convert import startup_report, startup_response
+    srv = running()
+    report = srv.engine.report
+    assert startup_report(startup_response(report)) == report

@@ -116,6 +116,28 @@ def test_cancel_frees_blocks_in_the_engine(live):
     wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
 
 
+def test_a_cancelled_request_id_is_free_again_when_its_call_ends(live):
+    _, engine, _, client = live
+    for _ in range(30):
+        stream = client.generate("tell me a long story", max_tokens=100, ignore_eos=True, request_id="retry")
+        next(stream)
+        stream.close()                                # cancel, then reuse the id at once
+        ids, _, last = client.complete("tell me a long story", max_tokens=2, ignore_eos=True, request_id="retry")
+        assert len(ids) == 2 and last.finish_reason == FinishReason.LENGTH
+    wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
+
+
+def test_a_prompt_too_big_to_fit_is_refused_before_tokenizing(live):
+    rc, engine, _, client = live
+    bound = engine.limits.max_prompt_bytes
+    assert bound == (rc.max_model_len - 1) * engine.tokenizer.max_token_bytes
+    with pytest.raises(grpc.RpcError) as info:
+        client.complete("a" * (15 << 20), max_tokens=1)          # 15 MiB: under the 16 MiB message limit
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{15 << 20:,} bytes of text" in info.value.details() and f"at most {bound:,} bytes" in info.value.details()
+    assert client.health() == "SERVING"
+
+
 def test_invalid_requests_with_the_real_engine(live):
     rc, _, _, client = live
     cases = [(dict(prompt=""), "prompt"),

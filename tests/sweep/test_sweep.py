@@ -32,10 +32,10 @@ import atexit, runpy, sys
 import appliance.modes.plan as pm
 atexit.register(lambda: print("TORCH_IMPORTED", "torch" in sys.modules))
 real = pm.run_plan
-def run_plan(rc, output_dir=None):
+def run_plan(rc, output_dir=None, **kw):
     if rc.max_model_len == 1024:
         raise RuntimeError("boom at max_model_len 1024")
-    return real(rc, output_dir)
+    return real(rc, output_dir, **kw)
 pm.run_plan = run_plan
 sys.argv = ["appliance", *sys.argv[1:]]
 runpy.run_module("appliance", run_name="__main__")
