@@ -8,6 +8,7 @@ so a checkpoint with a missing, extra or misshapen tensor fails once, naming eve
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from pathlib import Path
 from typing import Mapping
@@ -20,6 +21,42 @@ from appliance.core.errors import CheckpointError
 log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+# Raw formats of quantized checkpoints: their bytes are taken as they are (a converter may have stored them as
+# uint8 / int8 of the same size), never converted numerically, which would change them.
+RAW_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+RAW_BYTE_DTYPES = (torch.uint8, torch.int8)
+_SAFETENSORS_RAW = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.float4_e2m1fn_x2: "F4"}
+
+
+def as_expected_dtype(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t` in `dtype`: raw quantized formats by reinterpreting bytes (uint8 / int8 storage), others by casting."""
+    if t.dtype == dtype:
+        return t
+    if dtype in RAW_DTYPES:
+        if t.dtype in RAW_BYTE_DTYPES:
+            return t.view(dtype)
+        raise CheckpointError(f"tensor {name!r} is stored as {t.dtype}, expected {dtype} (or its bytes as uint8): "
+                              f"quantized values are taken as stored, not converted")
+    return t.to(dtype)
+
+
+def _stored_shape(sl) -> tuple[int, ...]:
+    """A tensor's shape as torch holds it: safetensors counts F4 in 4-bit elements, torch packs two per byte."""
+    shape = tuple(sl.get_shape())
+    if sl.get_dtype() == "F4":
+        shape = (*shape[:-1], shape[-1] // 2)
+    return shape
+
+
+def _raw_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[str]:
+    """Quantized tensors stored in a dtype whose bytes are not the expected format (headers only)."""
+    problems = []
+    for name, (_, dtype) in expected.items():
+        want = _SAFETENSORS_RAW.get(dtype)
+        if want and name in dtypes and dtypes[name] not in (want, "U8", "I8"):
+            problems.append(f"  wrong dtype {name}: stored {dtypes[name]}, expected {want} (or its bytes as U8)")
+    return problems
 
 
 def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
@@ -58,18 +95,24 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
 
     files = safetensors_files(checkpoint_dir)
     found: dict[str, tuple[tuple[int, ...], Path]] = {}
+    dtypes: dict[str, str] = {}
     duplicates: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name in found:
                     duplicates.append(f"{name} (in {found[name][1].name} and {path.name})")
-                found[name] = (tuple(f.get_slice(name).get_shape()), path)
+                sl = f.get_slice(name)
+                found[name], dtypes[name] = (_stored_shape(sl), path), sl.get_dtype()
     if duplicates:
         raise CheckpointError(f"checkpoint {checkpoint_dir} stores tensors twice: {', '.join(duplicates)}")
     problem = _mismatch_report(str(checkpoint_dir), expected, found)
     if problem:
         raise CheckpointError(problem)
+    wrong = _raw_dtype_problems(expected, dtypes)
+    if wrong:
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {len(wrong)} quantized tensor(s) in the wrong dtype\n"
+                              + "\n".join(wrong))
 
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
@@ -77,10 +120,9 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
-                dtype = expected[name][1]
+                t = as_expected_dtype(f.get_tensor(name), expected[name][1], name)
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
-                out[name] = t.to(device=device, dtype=dtype, copy=True)
+                out[name] = t.to(device=device, copy=True)
                 bar.update(1)
     bar.close()
     log.info("loaded %d tensors (%.1f MiB) from %d file(s) in %s", len(out),
@@ -99,23 +141,32 @@ def is_norm_bias(name: str) -> bool:
     return parts[-1] == "bias" and len(parts) > 1 and "norm" in parts[-2]
 
 
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected, seed: int,
+                   std: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    if dtype == torch.float8_e8m0fnu:       # block scales: 1, or about std for FP4 values (which reach 6)
+        values = expected.get(name.removesuffix(".scale") + ".weight", ((), None))[1]
+        exponent = round(math.log2(std)) if values == torch.float4_e2m1fn_x2 else 0
+        return torch.full(shape, 127 + exponent, dtype=torch.uint8).view(dtype)
+    if dtype == torch.float4_e2m1fn_x2:     # random e2m1 codes, two per byte
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+    if is_norm_weight(name):
+        return torch.ones(shape, dtype=torch.float32).to(dtype)
+    if dtype.is_floating_point and not is_norm_bias(name):
+        return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
                       std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0.
+    """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0; quantized formats get
+    random values with scales of about std. On the meta device: shapes and dtypes only, no memory.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
     other tensors the model has or the order they are listed in.
     """
     device = torch.device(device)
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(expected):
-        shape, dtype = expected[name]
-        if is_norm_weight(name):
-            t = torch.ones(shape, dtype=torch.float32)
-        elif dtype.is_floating_point and not is_norm_bias(name):
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-        else:
-            t = torch.zeros(shape, dtype=torch.float32)
-        out[name] = t.to(device=device, dtype=dtype)
-    return out
+    if device.type == "meta":
+        return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in expected.items()}
+    return {name: _random_tensor(name, tuple(shape), dtype, expected, seed, std).to(device)
+            for name, (shape, dtype) in sorted(expected.items())}

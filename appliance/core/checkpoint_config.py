@@ -13,22 +13,25 @@ from appliance.core.errors import CheckpointError
 def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> None:
     """config.json must describe the same layout as model.layout: one error naming every disagreeing key.
 
-    Which config.json keys map to which layout keys is the architecture's (appliance.core.archs); keys the
-    file leaves out are not checked.
+    Which config.json keys map to which layout keys is the architecture's (appliance.core.archs: its view of the
+    file, the keys and the values it only supports); keys the file leaves out are not checked.
     """
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint_dir} has no config.json")
-    cfg = json.loads(path.read_text())
+    arch = architecture(model.arch)
+    cfg = arch.config_view(json.loads(path.read_text()))
     lay = model.layout
-    bad = []
-    for file_key, key in architecture(model.arch).config_keys.items():
+    bad = [f"config.json {key}={cfg[key]!r} is not supported (only {value!r})"
+           for key, value in arch.config_fixed.items() if key in cfg and cfg[key] != value]
+    for file_key, key in arch.config_keys.items():
         if file_key not in cfg:
             continue
         mine, theirs = getattr(lay, key), cfg[file_key]
         if isinstance(mine, tuple):
             mine = list(mine)
-        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if isinstance(mine, float) else mine == theirs
+        numbers = isinstance(mine, float) and isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
+        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if numbers else mine == theirs
         if not same:
             bad.append(f"model.layout.{key}={mine!r} but config.json {file_key}={theirs!r}")
     if cfg.get("rope_scaling"):
