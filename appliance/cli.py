@@ -1,6 +1,7 @@
 """`python -m appliance [overrides]`: compose, validate, then validate / plan / serve / bench.
 
-Config errors exit with status 2 and no traceback, both ours (ConfigError, printed with every issue)
+Config errors exit with status 2 and no traceback, both ours (ConfigError, printed with every issue; a
+checkpoint that does not match the model, CheckpointError)
 and Hydra's composition errors (unknown key, bad type, unknown group option), which Hydra prints.
 """
 
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 
 from appliance.config.compose import CONF_DIR, compose_runtime_config
 from appliance.config.schema import register_schema
-from appliance.core.errors import ConfigError
+from appliance.core.errors import CheckpointError, ConfigError
 from appliance.core.planner import InsufficientMemoryError
 from appliance.modes.results import write_result
 
@@ -53,7 +54,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             return run_bench(rc, out)
         from appliance.serve.server import serve
         return serve(rc, output_dir=out)
-    except (ConfigError, InsufficientMemoryError) as exc:
+    except (ConfigError, CheckpointError, InsufficientMemoryError) as exc:
         status = "invalid" if isinstance(exc, ConfigError) else "does_not_fit"
         print(f"error: {exc}", file=sys.stderr)
         result = {"status": status, "reason": str(exc)}

@@ -32,6 +32,13 @@ class QuantizedWeight:
     scale: torch.Tensor        # float8_e8m0fnu
     block: int                 # FP8: square block size; FP4: FP4_BLOCK values per scale along a row
 
+    def check(self) -> "QuantizedWeight":
+        """Raise CheckpointError now (at load) for a 0xFF scale, instead of NaNs when the layer runs (shape-only
+        weights on the meta device have no values to check)."""
+        if self.scale.device.type != "meta":
+            ue8m0_to_float(self.scale, self.name)
+        return self
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.values.dtype == torch.float4_e2m1fn_x2:
             return dequantize_fp4(self.values, self.scale, dtype, self.name)

@@ -39,6 +39,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
+def pool_windows(rows: torch.Tensor, ok: torch.Tensor, ratio: int, width: int, overlap: bool,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Compressed rows [J, width] from the state rows of each completed window [J, span, 2 coff width]
+    ([kv | score], coff = 2 with overlap): sum over tokens of softmax(score) x kv, per channel. With overlap
+    the span is the previous window then this one, and a row pools the previous window's first halves
+    with this window's second halves; rows that do not exist (ok False: window -1) get no weight."""
+    coff = 2 if overlap else 1
+    kv, score = rows.split(coff * width, dim=-1)
+    if overlap:
+        kv = torch.cat([kv[:, :ratio, :width], kv[:, ratio:, width:]], dim=1)
+        score = torch.cat([score[:, :ratio, :width], score[:, ratio:, width:]], dim=1)
+    score = score.masked_fill(~ok[..., None], float("-inf"))
+    return (kv.to(dtype) * score.softmax(dim=1).to(dtype)).sum(dim=1)
+
+
 class Attention:
     """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype)."""
 
@@ -96,12 +111,7 @@ class Attention:
             return
         coff = 2 if kind.overlap else 1
         rows = self.io.read(state, layer, read, 2 * coff * width, torch.float32)   # [J, coff r, 2 coff width]
-        kv, score = rows.split(coff * width, dim=-1)
-        if kind.overlap:     # the previous window's first half, then this window's second half
-            kv = torch.cat([kv[:, :r, :width], kv[:, r:, width:]], dim=1)
-            score = torch.cat([score[:, :r, :width], score[:, r:, width:]], dim=1)
-        score = score.masked_fill(~read.ok[..., None], float("-inf"))
-        pooled = (kv.to(self.dtype) * score.softmax(dim=1).to(self.dtype)).sum(dim=1)
+        pooled = pool_windows(rows, read.ok, r, width, kind.overlap, self.dtype)
         pooled = rms_norm(pooled, w(prefix + "norm.weight"), self.lay.rms_norm_eps)
         self.io.write(out, layer, plan.rows[f"{out}.write"], rope.apply(pooled))
 

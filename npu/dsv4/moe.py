@@ -43,10 +43,11 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    limit: float | None) -> torch.Tensor:
     """Sum over each token's experts of weight x expert(h); only the experts some token picked are fetched
-    (expert(e) -> its w1, w3, w2 in the compute dtype), in ascending order."""
-    out = torch.zeros_like(h)
+    (expert(e) -> its w1, w3, w2 in the compute dtype). Each (token, slot) output lands in its own row of a
+    [N, k, D] buffer, summed at the end: no scatter-add (slow on CPUs under load, order-dependent elsewhere)."""
+    n, k = experts.shape
+    out = h.new_zeros((n, k, h.shape[-1]))
     for e in torch.unique(experts).tolist():
-        slot, token = torch.where(experts.t() == e)
-        y = swiglu(h[token], *expert(e), limit) * weights[token, slot, None].to(h.dtype)
-        out.index_add_(0, token, y)
-    return out
+        token, slot = torch.where(experts == e)
+        out[token, slot] = swiglu(h[token], *expert(e), limit) * weights[token, slot, None].to(h.dtype)
+    return out.sum(dim=1)
