@@ -96,7 +96,7 @@ def main() -> None:
         hf_load_s = time.perf_counter() - t0
         hf = hf_side(model, work)
     loads.append(load_avg())
-    matches = sum(e == h for e, h in zip(eng["tokens"], hf["tokens"]))
+    matches = sum(e == h for e, h in zip(eng["tokens"], hf["tokens"], strict=True))
     mach = machine()
     lay = rc0.model.layout
     prompt_lens, out_lens = [len(p) for p, _ in work], [n for _, n in work]
@@ -109,7 +109,8 @@ def main() -> None:
          f"transformers {mach['transformers']}, Python {mach['python']}; load average (1/5/15 min) {loads[0]} "
          f"at start, {loads[1]} at end",
          f"- model: dsv4_tiny with random weights (seed {WEIGHTS_SEED}, std {args.std}): hidden {lay.hidden_size}, "
-         f"{lay.num_layers} layers + {lay.num_mtp_layers} MTP, {lay.num_experts} experts top-{lay.num_experts_per_tok}, "
+         f"{lay.num_layers} layers + {lay.num_mtp_layers} MTP, {lay.num_experts} experts "
+         f"top-{lay.num_experts_per_tok}, "
          f"hc_mult {lay.hc_mult}, ratios {sorted(set(lay.main_layer_ratios))}, {lay.dtype}; one checkpoint for both",
          f"- workload: {len(work)} requests, prompt {min(prompt_lens)}-{max(prompt_lens)} tokens, output "
          f"{min(out_lens)}-{max(out_lens)}, greedy, ignore_eos; engine: all submitted at once (`{shown}`); "

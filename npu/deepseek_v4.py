@@ -86,7 +86,8 @@ class DeepseekV4Runner(ModelRunner):
         for w in model_weights(lay):
             t = weights[w.name]
             if w.format in ("fp8", "fp4"):
-                held[w.name] = QuantizedWeight(w.name, t, weights[scale_name(w.name)], lay.quant_block_size or 0).check()
+                scale = weights[scale_name(w.name)]
+                held[w.name] = QuantizedWeight(w.name, t, scale, lay.quant_block_size or 0).check()
             elif w.format == "int32":
                 held[w.name] = t.long()
             elif w.format == "float32" or is_norm_weight(w.name):

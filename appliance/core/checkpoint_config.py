@@ -30,7 +30,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         mine, theirs = getattr(lay, key), cfg[file_key]
         if isinstance(mine, tuple):
             mine = list(mine)
-        numbers = isinstance(mine, float) and isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
+        numbers = isinstance(mine, float) and isinstance(theirs, int | float) and not isinstance(theirs, bool)
         same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if numbers else mine == theirs
         if not same:
             bad.append(f"model.layout.{key}={mine!r} but config.json {file_key}={theirs!r}")

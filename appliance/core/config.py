@@ -59,7 +59,7 @@ class Layout:
     hc_mult: int | None = None             # hyper-connections: residual streams
     hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
     hc_eps: float = 1e-6
-    quant_block_size: int | None = None    # checkpoint linears in FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
+    quant_block_size: int | None = None    # checkpoint linears FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
     expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null: dtype
 
     @property

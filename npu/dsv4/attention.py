@@ -146,7 +146,7 @@ class Attention:
         sink = self.w(f"layers.{layer}.attn.attn_sink").float().view(1, H, 1, 1).expand(S, H, Q, 1)
         probs = torch.cat([*scores, sink], dim=-1).softmax(dim=-1)
         out = torch.zeros_like(q)
-        for (keys, _), prob in zip(parts, probs[..., :-1].split([s.shape[-1] for s in scores], dim=-1)):
+        for (keys, _), prob in zip(parts, probs[..., :-1].split([s.shape[-1] for s in scores], dim=-1), strict=True):
             eq = "shqk,skd->sqhd" if keys.dim() == 3 else "shqk,sqkd->sqhd"
             out = out + torch.einsum(eq, prob.to(keys.dtype), keys)
         return out

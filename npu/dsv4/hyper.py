@@ -50,7 +50,6 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """The final collapse of the streams [N, hc, D] -> [N, D] (sigmoid weights, no mixing)."""
-    n = streams.shape[0]
     mixes = F.linear(unweighted_rms(streams.flatten(1).float(), norm_eps), fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

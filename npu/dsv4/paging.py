@@ -177,7 +177,7 @@ class PoolIO:
     def __init__(self, model: ModelSpec, pools: dict[str, torch.Tensor]):
         self.model = model
         self.pools = pools
-        self.layer_index = {s.name: {l: i for i, l in enumerate(s.layer_ids)} for s in model.cache_groups}
+        self.layer_index = {s.name: {layer: i for i, layer in enumerate(s.layer_ids)} for s in model.cache_groups}
 
     def read(self, group: str, layer: int, rows: Rows, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `width` values of each row, as dtype; zeros where rows.ok is False, so stale or NaN

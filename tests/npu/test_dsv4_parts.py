@@ -142,7 +142,9 @@ def test_csa_state_ring_figure_holds_for_the_schedulers_chunks(overrides):
     for name in ("csa_state", "csa_inner_state"):
         spec = rc.model.group(name)
         assert spec.max_blocks_per_seq == math.ceil((csa + tif) / spec.tokens_per_page)
-        need = lambda start, n: state_span_pages(start, n, csa, spec.tokens_per_page, overlap=True)  # noqa: E731
+        def need(start: int, n: int, pages: int = spec.tokens_per_page) -> int:
+            return state_span_pages(start, n, csa, pages, overlap=True)
+
         aligned = max(need(start, n) for start in range(0, 4 * block, block) for n in range(1, tif + 1))
         decode = max(need(start, 1) for start in range(4 * block))
         assert aligned == spec.max_blocks_per_seq and decode <= spec.max_blocks_per_seq

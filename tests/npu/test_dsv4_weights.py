@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, parameter_counts
@@ -108,7 +108,8 @@ def test_quantized_checkpoint_gives_the_tokens_of_its_dense_twin(twins):
     with safe_open(str(quantized / "model.safetensors"), "pt") as f:
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes["layers.1.attn.wq_b.weight"] == "F8_E4M3" and dtypes["layers.1.attn.wq_b.scale"] == "F8_E8M0"
-    assert dtypes["layers.1.ffn.experts.3.w2.weight"] == "F4" and dtypes["layers.1.ffn.experts.3.w2.scale"] == "F8_E8M0"
+    assert dtypes["layers.1.ffn.experts.3.w2.weight"] == "F4"
+    assert dtypes["layers.1.ffn.experts.3.w2.scale"] == "F8_E8M0"
     assert dtypes["layers.1.attn.compressor.wkv.weight"] == "F32" and "layers.1.attn.compressor.wkv.scale" not in dtypes
     runners = []
     for m, path in ((model, quantized), (dense_twin(model), dense)):
