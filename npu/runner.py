@@ -71,8 +71,8 @@ class ModelRunner(ABC):
         return random_state_dict(self.expected_weights(), seed, device or self.device, std)
 
     def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast; quantized
-        formats are taken as stored, see npu.weights.as_expected_dtype)."""
+        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast; the bytes of
+        a quantized format stored as uint8 are reinterpreted, see npu.weights.as_expected_dtype)."""
         expected = self.expected_weights()
         missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or extra:
@@ -80,7 +80,7 @@ class ModelRunner(ABC):
         for name, (shape, _) in expected.items():
             if tuple(state[name].shape) != tuple(shape):
                 raise CheckpointError(f"weight {name!r}: expected shape {list(shape)}, got {list(state[name].shape)}")
-        self.install_weights({n: as_expected_dtype(t, expected[n][1], n).to(self.device) for n, t in state.items()})
+        self.install_weights({n: as_expected_dtype(t, expected[n][1]).to(self.device) for n, t in state.items()})
 
     @abstractmethod
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -22,22 +22,18 @@ log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
-# Raw formats of quantized checkpoints: their bytes are taken as they are (a converter may have stored them as
-# uint8 / int8 of the same size), never converted numerically, which would change them.
+# One-byte formats of quantized checkpoints. A converter may store their bytes as uint8 / int8: those are
+# reinterpreted, never converted numerically (which would turn the byte 0x38 into the value 56.0).
 RAW_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 RAW_BYTE_DTYPES = (torch.uint8, torch.int8)
-_SAFETENSORS_RAW = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.float4_e2m1fn_x2: "F4"}
 
 
-def as_expected_dtype(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """`t` in `dtype`: raw quantized formats by reinterpreting bytes (uint8 / int8 storage), others by casting."""
+def as_expected_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`: the bytes of a quantized format stored as uint8 / int8 by reinterpreting, others by casting."""
     if t.dtype == dtype:
         return t
-    if dtype in RAW_DTYPES:
-        if t.dtype in RAW_BYTE_DTYPES:
-            return t.view(dtype)
-        raise CheckpointError(f"tensor {name!r} is stored as {t.dtype}, expected {dtype} (or its bytes as uint8): "
-                              f"quantized values are taken as stored, not converted")
+    if dtype in RAW_DTYPES and t.dtype in RAW_BYTE_DTYPES:
+        return t.view(dtype)
     return t.to(dtype)
 
 
@@ -49,14 +45,11 @@ def _stored_shape(sl) -> tuple[int, ...]:
     return shape
 
 
-def _raw_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[str]:
-    """Quantized tensors stored in a dtype whose bytes are not the expected format (headers only)."""
-    problems = []
-    for name, (_, dtype) in expected.items():
-        want = _SAFETENSORS_RAW.get(dtype)
-        if want and name in dtypes and dtypes[name] not in (want, "U8", "I8"):
-            problems.append(f"  wrong dtype {name}: stored {dtypes[name]}, expected {want} (or its bytes as U8)")
-    return problems
+def _fp4_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[str]:
+    """FP4 tensors stored as anything but FP4 or its bytes (headers only): no cast makes two e2m1 per byte."""
+    return [f"  wrong dtype {name}: stored {dtypes[name]}, expected F4 (or its bytes as U8)"
+            for name, (_, dtype) in expected.items()
+            if dtype == torch.float4_e2m1fn_x2 and name in dtypes and dtypes[name] not in ("F4", "U8", "I8")]
 
 
 def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
@@ -109,9 +102,9 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     problem = _mismatch_report(str(checkpoint_dir), expected, found)
     if problem:
         raise CheckpointError(problem)
-    wrong = _raw_dtype_problems(expected, dtypes)
+    wrong = _fp4_dtype_problems(expected, dtypes)
     if wrong:
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {len(wrong)} quantized tensor(s) in the wrong dtype\n"
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {len(wrong)} FP4 tensor(s) in the wrong dtype\n"
                               + "\n".join(wrong))
 
     device = torch.device(device)
@@ -120,7 +113,7 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = as_expected_dtype(f.get_tensor(name), expected[name][1], name)
+                t = as_expected_dtype(f.get_tensor(name), expected[name][1])
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
                 out[name] = t.to(device=device, copy=True)
                 bar.update(1)

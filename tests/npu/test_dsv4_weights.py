@@ -139,12 +139,13 @@ def test_fp4_experts_stored_as_bytes_load_the_same(twins, tmp_path):
     assert torch.equal(loaded[name].view(torch.uint8), state[name].view(torch.uint8))
 
 
-def test_quantized_tensor_stored_dense_is_named(twins, tmp_path):
+def test_fp4_tensor_stored_in_another_dtype_is_named(twins, tmp_path):
     model, quantized, _ = twins
     state = load_file(str(quantized / "model.safetensors"))
-    state["layers.0.attn.wkv.weight"] = state["layers.0.attn.wkv.weight"].to(torch.bfloat16)
+    name = "layers.0.ffn.experts.1.w3.weight"
+    state[name] = state[name].view(torch.uint8).to(torch.bfloat16)        # same shape, not FP4 bytes
     path = save_checkpoint(tmp_path, model, state)
-    with pytest.raises(CheckpointError, match=r"wrong dtype layers\.0\.attn\.wkv\.weight: stored BF16, expected F8_E4M3"):
+    with pytest.raises(CheckpointError, match=rf"wrong dtype {name}: stored BF16, expected F4 \(or its bytes as U8\)"):
         load_state_dict(path, DeepseekV4Runner(model, "cpu").expected_weights(), "cpu", progress=False)
 
 
