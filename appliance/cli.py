@@ -1,22 +1,27 @@
 """`python -m appliance [overrides]`: compose, validate, then validate / plan / serve / bench.
 
-Config errors exit with status 2 and no traceback, both ours (ConfigError, printed with every issue; a
-checkpoint that does not match the model, CheckpointError)
-and Hydra's composition errors (unknown key, bad type, unknown group option), which Hydra prints.
+One error contract for every startup fault (appliance.core.errors.StartupError: a bad or unknown key, a
+checkpoint, tokenizer or TLS file that cannot be used, a device that is missing or too small, a port that
+cannot be bound): one message naming the key, file or device and the fix on stderr, exit status 2, no
+traceback (HYDRA_FULL_ERROR=1 adds it). Hydra's composition errors (bad type, unknown group option) exit 2
+too. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from appliance.config.compose import CONF_DIR, compose_runtime_config
+from appliance.config.compose import CONF_DIR, check_override_keys, compose_runtime_config
 from appliance.config.schema import register_schema
-from appliance.core.errors import CheckpointError, ConfigError
+from appliance.core.errors import ConfigError, StartupError
+from appliance.core.logs import configure_logging
 from appliance.core.planner import InsufficientMemoryError
 from appliance.modes.results import write_result
 
@@ -35,6 +40,19 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def result_status(exc: StartupError) -> str:
+    """How a sweep table lists a job that stopped at startup."""
+    if isinstance(exc, ConfigError):
+        return "invalid"
+    if isinstance(exc, InsufficientMemoryError):
+        return "does_not_fit"
+    return "startup_failed"
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run one job; in a multirun a bad point is returned as a result with its reason instead of exiting.
 
@@ -43,6 +61,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     out = _output_dir()
     try:
         rc = compose_runtime_config(cfg)
+        configure_logging(rc.logging.format, rc.logging.level)
         if rc.mode == "validate":
             from appliance.modes.validate import run_validate
             return run_validate(rc, out)
@@ -54,10 +73,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             return run_bench(rc, out)
         from appliance.serve.server import serve
         return serve(rc, output_dir=out)
-    except (ConfigError, CheckpointError, InsufficientMemoryError) as exc:
-        status = "invalid" if isinstance(exc, ConfigError) else "does_not_fit"
+    except StartupError as exc:
+        if _full_error():
+            raise
         print(f"error: {exc}", file=sys.stderr)
-        result = {"status": status, "reason": str(exc)}
+        result = {"status": result_status(exc), "reason": str(exc)}
         write_result(out, "result.json", result)
         if _is_multirun():
             return result
@@ -71,12 +91,27 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     return run_job(cfg)
 
 
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The overrides of a command line, parsed the way @hydra.main parses them."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own parser: flags and overrides as it sees them
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    return list(args.overrides)
+
+
 def main() -> None:
     register_schema()
     try:
+        check_override_keys(command_line_overrides(sys.argv[1:]))   # typos get the closest key, not Hydra's '+' hint
         _hydra_main()
+    except StartupError as exc:      # a bad override key; with HYDRA_FULL_ERROR=1 also a job's startup fault
+        if _full_error():
+            traceback.print_exc()
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
     except SystemExit as exc:
-        # Hydra exits 1 after printing a composition error (unknown key, bad type, unknown option).
+        # Hydra exits 1 after printing a composition error (bad type, unknown group option).
         multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
         if exc.code == 1 and not _task_started and not multirun:
             raise SystemExit(EXIT_CONFIG) from None

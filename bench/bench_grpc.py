@@ -128,7 +128,7 @@ async def _streams(address: str, batch, name: str) -> Result:
 def run_grpc(overrides: list[str], work, warmup, run_dir: Path) -> Result:
     from appliance.client import ApplianceClient
 
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0",
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0", "server.http_port=null",
                              f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -147,11 +147,16 @@ def run_grpc(overrides: list[str], work, warmup, run_dir: Path) -> Result:
         asyncio.run(_streams(address, warmup, "warmup"))
         return asyncio.run(_streams(address, work, "gRPC"))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains and exits), then kill if it has not exited within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main() -> None:

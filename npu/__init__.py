@@ -1,4 +1,5 @@
-"""Device plane: backends (Ascend NPU via torch_npu, CUDA, CPU), memory probes, weights, model runners.
+"""Device plane (layer 2): backends (Ascend NPU via torch_npu, CUDA, CPU), memory probes, weights, model runners.
 
-It knows nothing about gRPC or Hydra; it reads the frozen RuntimeConfig and calls the pure planner.
+It imports only appliance.core (config types, cache-group specs, the planner, the architecture registry) and
+knows nothing about Hydra, gRPC or the engine above it.
 """

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from appliance.core.config import DeviceSettings
+from appliance.core.errors import StartupError
 from npu.cpu_memory import AllocationTracker
 
 log = logging.getLogger("npu.backends")
@@ -34,8 +35,8 @@ NPU_INSTALL_HINT = ("install the torch-npu package (pip install '.[npu]') on a h
                     "installed and sourced (set_env.sh)")
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested device kind (or count) is not available on this machine."""
+class BackendUnavailableError(StartupError, RuntimeError):
+    """The requested device kind (or count) is not available on this machine (the CLI exits 2 with the message)."""
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,10 @@ class CudaBackend(AcceleratorBackend):
 
     def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
         if not torch.cuda.is_available():
-            raise BackendUnavailableError("device.kind=cuda but torch.cuda.is_available() is False "
-                                          f"(torch {torch.__version__} is {'a CPU-only build' if torch.version.cuda is None else 'built for CUDA ' + torch.version.cuda}); "
-                                          "install a CUDA build of torch or use device=cpu")
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise BackendUnavailableError(f"device.kind=cuda but torch.cuda.is_available() is False (torch "
+                                          f"{torch.__version__} is {build}). Fix: install a CUDA build of torch on a "
+                                          f"host with an NVIDIA GPU and driver, or use device=auto or device=cpu")
         super().__init__(torch.cuda, _resolve_count("cuda", count, torch.cuda.device_count()), memory_bytes_per_device)
 
 
@@ -152,9 +154,9 @@ def import_torch_npu() -> Any:
     """torch_npu, imported only when an NPU is asked for; a missing install names what to install."""
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)
-    except ImportError as exc:
-        raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable ({exc}): "
-                                      f"{NPU_INSTALL_HINT}") from exc
+    except (ImportError, OSError, RuntimeError) as exc:   # not installed, or CANN's libraries not found/sourced
+        raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable ({exc}). Fix: "
+                                      f"{NPU_INSTALL_HINT}, or use device=auto or device=cpu") from exc
     return torch.npu  # type: ignore[attr-defined]
 
 

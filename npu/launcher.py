@@ -2,7 +2,8 @@
 
     runner, report = launch(rc)
 
-1. select the backend (device=auto: npu, then cuda, then cpu);
+1. open the backend: select it (device=auto: npu, then cuda, then cpu, logged with why) and check that every
+   device can hold the weights estimated from the layout, before any weight is materialized;
 2. build the runner for model.arch (found through the architecture registry, imported when chosen);
 3. load weights (timed);
 4. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run the largest
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -29,10 +31,13 @@ from typing import Sequence
 import torch
 
 from appliance.core.config import ModelSpec, RuntimeConfig
+from appliance.core.estimate import estimate_peak_non_kv
+from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
 from appliance.core.planner import (
     CapacityPlan,
     DeviceMemory,
     InsufficientMemoryError,
+    format_bytes,
     plan_for_config,
 )
 from appliance.core.startup_report import StartupReport
@@ -131,14 +136,63 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             plan = plan_for_config(rc, devices, num_slots_override=plan.capacity_slots - 1)
 
 
+def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
+    """Fail at once, before any weight is materialized, when a device cannot hold the model at all.
+
+    Each device needs the model's weights plus the least KV cache the planner accepts (decode_batch scratch
+    pages and one capacity slot) within total x npu_memory_utilization. The weights are estimated from
+    model.layout by the estimate mode=plan uses (appliance.core.estimate); each device holds a full copy
+    (the runner is not sharded, so one shard is the whole model). Activations are not guessed here: the
+    profiling step measures them right after loading (mode=plan's plan.activation_allowance_bytes, sized
+    for NPU-scale models, would refuse the embedded tiny model on its 1 GiB CPU budget).
+    """
+    specs = rc.model.cache_groups
+    weights = estimate_peak_non_kv(rc.model, 1, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    kv_floor = scratch_bytes(specs, rc.decode_batch) + bytes_per_slot(specs)
+    need = weights + kv_floor
+    u = rc.npu_memory_utilization
+    log.info("%s needs at least %s per device before loading: estimated weights %s (from model.layout) + "
+             "scratch pages and one slot of KV cache %s", rc.model.name, format_bytes(need), format_bytes(weights),
+             format_bytes(kv_floor))
+    for i in range(backend.count):
+        total = backend.memory(i).total_bytes
+        usable = int(total * u)
+        if need <= usable:
+            continue
+        fallback = (f" (device=auto found no NPU or GPU and fell back to the host CPU with a budget of "
+                    f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
+                    if rc.device.kind == "auto" and backend.kind == "cpu" else "")
+        raise InsufficientMemoryError(
+            f"{rc.model.name} does not fit on device {backend.device_name(i)}{fallback}; nothing was loaded:\n"
+            f"  total x npu_memory_utilization  {format_bytes(total)} x {u} = {format_bytes(usable)}\n"
+            f"  estimated weights               {format_bytes(weights)} (from model.layout, as mode=plan "
+            f"estimates them; a full copy on each device)\n"
+            f"  least KV cache                  {format_bytes(kv_floor)} ({rc.decode_batch} scratch pages + one "
+            f"slot at max_model_len {rc.max_model_len})\n"
+            f"  shortfall                       {format_bytes(need - usable)}\n"
+            f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / u))} each (device=npu, "
+            f"device=cuda), plan the deployment offline first with the same overrides plus mode=plan "
+            f"device=ascend_a3, or pick a smaller model (e.g. +model=dsv4_tiny)")
+
+
+def open_backend(rc: RuntimeConfig) -> Backend:
+    """The backend for rc.device (device=auto says which it chose and why), checked to hold the weights."""
+    backend = select_backend(rc.device)
+    check_weights_fit(rc, backend)
+    return backend
+
+
 def weights_label(model: ModelSpec) -> str:
     return f"random (seed {model.weights_seed})" if model.weights == "random" else model.weights
 
 
 def launch(rc: RuntimeConfig, backend: Backend | None = None,
           runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
-    """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists."""
-    backend = backend or select_backend(rc.device)
+    """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists.
+
+    A backend passed in has been opened by the caller (open_backend, or a fake one for tests).
+    """
+    backend = backend or open_backend(rc)
     runner = runner or build_runner(rc.model, backend.torch_device(0))
     log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
     m = measure(rc, backend, runner)

@@ -16,11 +16,13 @@ from typing import Mapping
 import torch
 from tqdm.auto import tqdm
 
+from appliance.core.checkpoint_files import TensorHeader, read_tensor_headers
 from appliance.core.errors import CheckpointError
 
 log = logging.getLogger("npu.weights")
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+RANDN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)   # dtypes torch.randn samples in
 
 # One-byte formats of quantized checkpoints. A converter may store their bytes as uint8 / int8: those are
 # reinterpreted, never converted numerically (which would turn the byte 0x38 into the value 56.0).
@@ -37,14 +39,6 @@ def as_expected_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _stored_shape(sl) -> tuple[int, ...]:
-    """A tensor's shape as torch holds it: safetensors counts F4 in 4-bit elements, torch packs two per byte."""
-    shape = tuple(sl.get_shape())
-    if sl.get_dtype() == "F4":
-        shape = (*shape[:-1], shape[-1] // 2)
-    return shape
-
-
 def _fp4_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[str]:
     """FP4 tensors stored as anything but FP4 or its bytes (headers only): no cast makes two e2m1 per byte."""
     return [f"  wrong dtype {name}: stored {dtypes[name]}, expected F4 (or its bytes as U8)"
@@ -52,29 +46,40 @@ def _fp4_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[s
             if dtype == torch.float4_e2m1fn_x2 and name in dtypes and dtypes[name] not in ("F4", "U8", "I8")]
 
 
-def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist (model.weights)")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"checkpoint directory {str(root)!r} holds no *.safetensors file")
-    return files
-
-
-def _mismatch_report(where: str, expected: Expected, found: Mapping[str, tuple[tuple[int, ...], Path]]) -> str | None:
+def _mismatch_report(where: str, expected: Expected, found: Mapping[str, TensorHeader]) -> str | None:
+    """Every missing, unexpected and misshapen tensor of a checkpoint against a runner's expected weights."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    misshapen = sorted(n for n in set(expected) & set(found) if tuple(expected[n][0]) != found[n][0])
+    misshapen = sorted(n for n in set(expected) & set(found) if tuple(expected[n][0]) != found[n].shape)
     if not (missing or unexpected or misshapen):
         return None
     lines = [f"checkpoint {where} does not match the model: {len(missing)} missing, {len(unexpected)} unexpected, "
              f"{len(misshapen)} misshapen tensor(s)"]
     lines += [f"  missing    {n}: expected shape {list(expected[n][0])}" for n in missing]
-    lines += [f"  unexpected {n}: shape {list(found[n][0])} in {found[n][1].name}" for n in unexpected]
-    lines += [f"  misshapen  {n}: expected shape {list(expected[n][0])}, found {list(found[n][0])} in "
-              f"{found[n][1].name}" for n in misshapen]
+    lines += [f"  unexpected {n}: shape {list(found[n].shape)} in {found[n].file.name}" for n in unexpected]
+    lines += [f"  misshapen  {n}: expected shape {list(expected[n][0])}, found {list(found[n].shape)} in "
+              f"{found[n].file.name}" for n in misshapen]
+    lines.append("Fix: point model.weights at a checkpoint of this model, or pick the model YAML it was made for")
     return "\n".join(lines)
+
+
+def check_checkpoint_tensors(checkpoint_dir: str | Path, expected: Expected) -> dict[str, TensorHeader]:
+    """The checkpoint's tensor headers, checked against a runner's expected weights from the headers alone (no
+    data read): one CheckpointError listing every missing, unexpected and misshapen tensor."""
+    headers = read_tensor_headers(checkpoint_dir)
+    problem = _mismatch_report(str(checkpoint_dir), expected, headers)
+    if problem:
+        raise CheckpointError(problem)
+    return headers
+
+
+def non_finite_values(t: torch.Tensor) -> int:
+    """How many NaN or inf values a tensor holds (0 for integer tensors and FP4, which encodes neither)."""
+    if not t.is_floating_point() or t.dtype == torch.float4_e2m1fn_x2:
+        return 0
+    if t.element_size() == 1:      # float8: isfinite has no kernel; bfloat16 holds every float8 value exactly
+        t = t.to(torch.bfloat16)
+    return int(t.numel() - torch.isfinite(t).sum().item())
 
 
 def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torch.device | str,
@@ -82,40 +87,34 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     """Every expected tensor from the directory's safetensors files, cast to its expected dtype, on `device`.
 
     Names and shapes of every file are checked first (headers only), so a bad checkpoint fails before
-    any data is read, with one error listing every problem.
+    any data is read, with one error listing every problem. Then tensors are read one at a time and cast to
+    their target dtype on the device, so at most one tensor exists in its stored dtype at a time; a tensor
+    holding NaN or inf (after the cast: an fp32 value too large for fp16 becomes inf) is refused by name.
     """
     from safetensors import safe_open
 
-    files = safetensors_files(checkpoint_dir)
-    found: dict[str, tuple[tuple[int, ...], Path]] = {}
-    dtypes: dict[str, str] = {}
-    duplicates: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in found:
-                    duplicates.append(f"{name} (in {found[name][1].name} and {path.name})")
-                sl = f.get_slice(name)
-                found[name], dtypes[name] = (_stored_shape(sl), path), sl.get_dtype()
-    if duplicates:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} stores tensors twice: {', '.join(duplicates)}")
-    problem = _mismatch_report(str(checkpoint_dir), expected, found)
-    if problem:
-        raise CheckpointError(problem)
-    wrong = _fp4_dtype_problems(expected, dtypes)
+    headers = check_checkpoint_tensors(checkpoint_dir, expected)
+    wrong = _fp4_dtype_problems(expected, {name: h.dtype for name, h in headers.items()})
     if wrong:
         raise CheckpointError(f"checkpoint {checkpoint_dir}: {len(wrong)} FP4 tensor(s) in the wrong dtype\n"
-                              + "\n".join(wrong))
-
+                              + "\n".join(wrong) + "\nFix: store FP4 experts as F4 (or their bytes as U8), "
+                              "two values per byte, low nibble first")
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
+    files = sorted({h.file for h in headers.values()})
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = as_expected_dtype(f.get_tensor(name), expected[name][1])
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
-                out[name] = t.to(device=device, copy=True)
+                t = as_expected_dtype(f.get_tensor(name), expected[name][1]).to(device=device, copy=True)
+                bad = non_finite_values(t)
+                if bad:
+                    raise CheckpointError(
+                        f"checkpoint tensor {name} in {str(path)!r} holds {bad:,} NaN or inf value(s) of "
+                        f"{t.numel():,} (as {str(t.dtype).removeprefix('torch.')}). Fix: use an intact checkpoint; "
+                        f"a conversion that overflowed (e.g. fp32 to fp16) must be redone")
+                out[name] = t
                 bar.update(1)
     bar.close()
     log.info("loaded %d tensors (%.1f MiB) from %d file(s) in %s", len(out),
@@ -144,9 +143,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, expect
     if dtype == torch.float4_e2m1fn_x2:     # random e2m1 codes, two per byte
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
     if is_norm_weight(name):
-        return torch.ones(shape, dtype=torch.float32).to(dtype)
+        return torch.ones(shape, dtype=dtype)
     if dtype.is_floating_point and not is_norm_bias(name):
-        return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+        sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
+        return torch.randn(shape, generator=gen, dtype=sample_dtype).mul_(std).to(dtype)
     return torch.zeros(shape, dtype=dtype)
 
 
@@ -156,7 +156,9 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     random values with scales of about std. On the meta device: shapes and dtypes only, no memory.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
-    other tensors the model has or the order they are listed in.
+    other tensors the model has or the order they are listed in. Tensors are made one at a time in their
+    target dtype (float8 ones through bfloat16, which randn supports) and moved to the device at once, so
+    the host never holds more than one tensor beyond the ones already placed: never a float32 copy of a model.
     """
     device = torch.device(device)
     if device.type == "meta":

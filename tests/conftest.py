@@ -11,8 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, module: str = "appliance", timeout: float = 120, cwd: Path | None = None,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m appliance ...` as a user would, capturing output."""
-    full_env = dict(os.environ, **(env or {}))
-    full_env.pop("HYDRA_FULL_ERROR", None)
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | (env or {})
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=full_env)
 

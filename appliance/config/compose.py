@@ -1,7 +1,8 @@
 """Hydra composition: conf/ + overrides -> DictConfig -> validated, frozen RuntimeConfig (appliance.core.config).
 
 Every rule is checked before any device work, all problems together (ConfigError, each with its key path):
-the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
+first that every key is one the schema defines (appliance.config.schema_keys: a typo names the closest key),
+then the top-level keys, the layout, the derived cache groups, then the architecture's own rules from the
 registry (appliance.core.archs).
 """
 
@@ -14,12 +15,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
+from appliance.config.checkpoint_model import fill_from_checkpoint
+from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture
 from appliance.core.config import (
     BenchSettings,
     DeviceSettings,
     KvCacheSettings,
     Layout,
+    LoggingSettings,
     ModelSpec,
     PlanSettings,
     RuntimeConfig,
@@ -35,11 +39,47 @@ from appliance.core.kv_cache_spec import (
     full_history_blocks,
     ring_blocks,
 )
+from appliance.core.logs import FORMATS, LEVELS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def config_groups() -> set[str]:
+    """The config groups of conf/ (model, device, server, sweep): `group=option` selects a file, not a key."""
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Every override's key must be one the schema defines, before Hydra composes (ConfigError naming the
+    closest valid key); `+` only selects a config group that is not in the defaults list (+model=, +sweep=).
+
+    Hydra's own settings (hydra.*, hydra/...) and overrides Hydra cannot parse are left to Hydra.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return                                   # Hydra reports a malformed override itself
+    groups = config_groups()
+    issues = []
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_hydra_override() or o.package is not None or "/" in key or key in groups:
+            continue
+        value = (o.input_line or "").partition("=")[2] if o.is_sweep_override() else o.value()
+        issue = schema_key_issue(key, value)
+        if issue is None and o.is_add():
+            issue = ConfigIssue(f"+{key}", value, f"'+' adds a key, and {key} already exists: write {key}={value} "
+                                                  f"('+' is only for the groups +model= and +sweep=)")
+        if issue is not None:
+            issues.append(issue)
+    if issues:
+        raise ConfigError(issues)
 
 
 def compose(overrides: list[str] | None = None) -> DictConfig:
@@ -49,6 +89,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     schema.register_schema()
+    check_override_keys(list(overrides or []))
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
@@ -117,7 +158,14 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     if cfg.get("model") is None:
         with open_dict(cfg):
             cfg.model = load_model_config(cfg.default_model)
+    if cfg.model.get("from_checkpoint"):
+        issues = fill_from_checkpoint(cfg.model)       # +model=hf: the model from its config.json
+        if issues:
+            raise ConfigError(issues)
     checker = _Checker()
+    checker.issues += unknown_key_issues(cfg)
+    if checker.issues:
+        raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     _check_top_level(checker, cfg)
     _check_layout(checker, cfg.model)
     groups = _derive_cache_groups(checker, cfg)
@@ -142,6 +190,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
         plan=freeze(PlanSettings, plain["plan"]),
         bench=freeze(BenchSettings, plain["bench"]),
+        logging=freeze(LoggingSettings, plain["logging"]),
         npu_memory_utilization=float(cfg.npu_memory_utilization),
         decode_batch=cfg.decode_batch,
         max_model_len=cfg.max_model_len,
@@ -191,6 +240,10 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
 
     srv = cfg.server
     c.check(isinstance(srv.port, int) and 0 <= srv.port <= 65535, "server.port", srv.port, "must be in [0, 65535]")
+    if srv.http_port is not None and c.check(0 <= srv.http_port <= 65535, "server.http_port", srv.http_port,
+                                             "must be in [0, 65535], or null to disable HTTP"):
+        c.check(srv.http_port == 0 or srv.http_port != srv.port, "server.http_port", srv.http_port,
+                f"must differ from server.port ({srv.port}): gRPC and HTTP listen on separate ports")
     c.positive_int("server.workers", srv.workers)
     c.positive_int("server.max_message_bytes", srv.max_message_bytes)
     c.non_negative("server.grace_period_s", srv.grace_period_s)
@@ -209,6 +262,9 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
                "set at most one of kv_cache.kv_cache_memory_bytes and kv_cache.num_slots_override")
     c.non_negative("plan.peak_non_kv_bytes", cfg.plan.peak_non_kv_bytes, optional=True)
     c.non_negative("plan.activation_allowance_bytes", cfg.plan.activation_allowance_bytes)
+
+    c.one_of("logging.format", cfg.logging.format, FORMATS)
+    c.one_of("logging.level", cfg.logging.level, LEVELS)
 
     bench = cfg.bench
     for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -91,6 +91,7 @@ class ModelConfig:
     weights_seed: int = 0
     max_decode_batch: int = 256            # largest decode batch the runner's kernels accept
     max_num_seqs: int = 1024               # largest concurrency the runner's metadata accepts
+    from_checkpoint: bool = False          # +model=hf: arch, name, layout, cache groups from <weights>/config.json
 
 
 @dataclass
@@ -107,6 +108,7 @@ class DeviceConfig:
 class ServerConfig:
     host: str = MISSING
     port: int = MISSING
+    http_port: Optional[int] = None        # OpenAI-compatible HTTP + /metrics beside gRPC (null: off)
     insecure: bool = False
     tls_cert_file: Optional[str] = None
     tls_key_file: Optional[str] = None
@@ -115,6 +117,12 @@ class ServerConfig:
     grace_period_s: float = MISSING
     startup_timeout_s: float = MISSING
     workers: int = MISSING
+
+
+@dataclass
+class LoggingConfig:
+    format: str = "text"                   # text (human-readable) | json (one object per line)
+    level: str = "INFO"
 
 
 @dataclass
@@ -157,8 +165,20 @@ class ApplianceConfig:
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# conf/model/hf.yaml's value for every key the composer fills from <model.weights>/config.json
+# (appliance/config/checkpoint_model.py). Read before it is filled, it says so (Hydra resolves it while merging).
+CONFIG_JSON_PLACEHOLDER = "${config_json:}"
+
+
+def _config_json_placeholder() -> str:
+    return "<filled from model.weights/config.json>"
 
 
 def register_schema() -> None:
+    if not OmegaConf.has_resolver("config_json"):
+        OmegaConf.register_new_resolver("config_json", _config_json_placeholder)
     cs = ConfigStore.instance()
     cs.store(name="appliance_schema", node=ApplianceConfig)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from appliance.core.archs import architecture
+from appliance.core.archs.hf_config import values_agree
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 
@@ -18,9 +19,18 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
     """
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint_dir} has no config.json")
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} (model.weights) has no config.json. Fix: copy the "
+                              f"checkpoint's config.json next to its *.safetensors files")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
+                              f"checkpoint's config.json") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {type(cfg).__name__}, not an object. "
+                              f"Fix: restore the checkpoint's config.json")
     arch = architecture(model.arch)
-    cfg = arch.config_view(json.loads(path.read_text()))
+    cfg = arch.config_view(cfg)
     lay = model.layout
     bad = [f"config.json {key}={cfg[key]!r} is not supported (only {value!r})"
            for key, value in arch.config_fixed.items() if key in cfg and cfg[key] != value]
@@ -30,11 +40,12 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         mine, theirs = getattr(lay, key), cfg[file_key]
         if isinstance(mine, tuple):
             mine = list(mine)
-        numbers = isinstance(mine, float) and isinstance(theirs, int | float) and not isinstance(theirs, bool)
-        same = abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine)) if numbers else mine == theirs
-        if not same:
+        if not values_agree(mine, theirs):
             bad.append(f"model.layout.{key}={mine!r} but config.json {file_key}={theirs!r}")
     if cfg.get("rope_scaling"):
         bad.append(f"config.json rope_scaling={cfg['rope_scaling']!r} is not supported")
     if bad:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} does not match model {model.name!r}:\n  " + "\n  ".join(bad))
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} does not match model {model.name!r} "
+                              f"({path.name} against model.layout):\n  " + "\n  ".join(bad) +
+                              "\nFix: pick the model YAML this checkpoint was made for (+model=...), or override the "
+                              "disagreeing model.layout keys")

@@ -82,6 +82,7 @@ class DeviceSettings:
 class ServerSettings:
     host: str
     port: int
+    http_port: int | None = None           # OpenAI-compatible HTTP + /metrics beside gRPC (None: off)
     insecure: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -90,6 +91,12 @@ class ServerSettings:
     grace_period_s: float
     startup_timeout_s: float
     workers: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingSettings:
+    format: str = "text"                   # text (human-readable) | json (one object per line)
+    level: str = "INFO"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +161,7 @@ class RuntimeConfig:
     kv_cache: KvCacheSettings
     plan: PlanSettings
     bench: BenchSettings
+    logging: LoggingSettings
     npu_memory_utilization: float
     decode_batch: int
     max_model_len: int

@@ -1,8 +1,17 @@
-"""Config errors that name the key path, the value and the rule, reported all at once."""
+"""Startup faults: errors the operator fixes in the config, the files or the host, never bugs.
+
+Every one is a StartupError whose message names the key, file or device and the fix; the CLI prints it
+and exits with status 2 and no traceback (HYDRA_FULL_ERROR=1 adds the traceback). Anything else that
+escapes is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+class StartupError(Exception):
+    """A fault found while starting, with a message that says what to change."""
 
 
 @dataclass(frozen=True)
@@ -15,8 +24,8 @@ class ConfigIssue:
         return f"{self.path} = {self.value!r}: {self.rule}"
 
 
-class ConfigError(ValueError):
-    """Raised before any device work; the CLI prints it and exits with status 2."""
+class ConfigError(StartupError, ValueError):
+    """Raised before any device work, with every issue at once (each naming its key path)."""
 
     def __init__(self, issues: list[ConfigIssue]):
         self.issues = list(issues)
@@ -26,6 +35,10 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: a missing file, a config.json that disagrees with the layout,
-    or every missing, unexpected or misshapen tensor."""
+class CheckpointError(StartupError, ValueError):
+    """A checkpoint that cannot serve the model: a missing or unreadable file, a config.json that disagrees with
+    the layout, every missing, unexpected or misshapen tensor, or a tensor holding NaN or inf."""
+
+
+class TokenizerError(StartupError, ValueError):
+    """A tokenizer.json that is missing, cannot be parsed, or has more ids than the model's vocabulary."""

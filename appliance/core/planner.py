@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.errors import StartupError
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
 
 GiB = 1 << 30
@@ -84,11 +85,12 @@ class CapacityPlan:
         return asdict(self)
 
 
-class InsufficientMemoryError(RuntimeError):
+class InsufficientMemoryError(StartupError, RuntimeError):
     """The budget cannot hold the scratch pages plus one capacity slot; raised before any allocation."""
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """Exact bytes for checking, GiB for reading: '1,073,741,824 B (1.00 GiB)'."""
     return f"{n:,} B ({n / GiB:.2f} GiB)"
 
 
@@ -120,23 +122,25 @@ def plan_capacity(
     for dev in devices:
         usable = int(dev.total_bytes * utilization)
         derived = usable - dev.peak_non_kv_bytes
-        head = (f"device {dev.name}: total {_fmt(dev.total_bytes)}, free {_fmt(dev.free_bytes)}, "
-                f"peak_non_kv {_fmt(dev.peak_non_kv_bytes)}, utilization {utilization}")
+        head = (f"device {dev.name}: total {format_bytes(dev.total_bytes)}, free {format_bytes(dev.free_bytes)}, "
+                f"peak_non_kv {format_bytes(dev.peak_non_kv_bytes)}, utilization {utilization}")
         if derived <= 0:
             raise InsufficientMemoryError(
-                f"{head}: peak_non_kv alone exceeds total x utilization ({_fmt(usable)}) by "
-                f"{_fmt(-derived)}; no memory is left for the KV cache. Fix: {_ADVICE}.")
+                f"{head}: peak_non_kv alone exceeds total x utilization ({format_bytes(usable)}) by "
+                f"{format_bytes(-derived)}; no memory is left for the KV cache. Fix: {_ADVICE}.")
         budget = derived
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory_bytes > derived:
                 raise InsufficientMemoryError(
-                    f"{head}: kv_cache.kv_cache_memory_bytes {_fmt(kv_cache_memory_bytes)} exceeds the budget "
-                    f"{_fmt(derived)} by {_fmt(kv_cache_memory_bytes - derived)}. Fix: lower it or {_ADVICE}.")
+                    f"{head}: kv_cache.kv_cache_memory_bytes {format_bytes(kv_cache_memory_bytes)} exceeds the "
+                    f"budget {format_bytes(derived)} by {format_bytes(kv_cache_memory_bytes - derived)}. "
+                    f"Fix: lower it or {_ADVICE}.")
             budget = kv_cache_memory_bytes
         if budget < need:
             raise InsufficientMemoryError(
-                f"{head}: budget {_fmt(budget)} cannot hold scratch {_fmt(scratch)} + one slot {_fmt(slot)} "
-                f"(max_model_len {max_model_len}); shortfall {_fmt(need - budget)}. Fix: {_ADVICE}.")
+                f"{head}: budget {format_bytes(budget)} cannot hold scratch {format_bytes(scratch)} + one slot "
+                f"{format_bytes(slot)} (max_model_len {max_model_len}); shortfall {format_bytes(need - budget)}. "
+                f"Fix: {_ADVICE}.")
         budgets.append((dev, usable, budget))
 
     limiting, _, limit_budget = min(budgets, key=lambda b: b[2])
@@ -148,8 +152,8 @@ def plan_capacity(
         if scratch + num_slots_override * slot > limit_budget:
             raise InsufficientMemoryError(
                 f"device {limiting.name}: kv_cache.num_slots_override {num_slots_override} needs "
-                f"{_fmt(scratch + num_slots_override * slot)} but the budget is {_fmt(limit_budget)}; at most "
-                f"{slots} slots fit. Fix: lower it or {_ADVICE}.")
+                f"{format_bytes(scratch + num_slots_override * slot)} but the budget is "
+                f"{format_bytes(limit_budget)}; at most {slots} slots fit. Fix: lower it or {_ADVICE}.")
         slots = num_slots_override
         override = f"num_slots_override={num_slots_override}"
 

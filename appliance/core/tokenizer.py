@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Iterable
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from appliance.core.errors import TokenizerError
+
 if TYPE_CHECKING:
     from appliance.core.config import ModelSpec
 
@@ -107,9 +109,14 @@ class Tokenizer:
         """A tokenizer.json; the eos id comes from the neighbouring configs, else a known token name."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist (model.tokenizer, or "
-                                    f"tokenizer.json in the checkpoint directory)")
-        tk = HfTokenizer.from_file(str(path))
+            raise TokenizerError(f"tokenizer file {str(path)!r} does not exist. Fix: copy the checkpoint's "
+                                 f"tokenizer.json into the checkpoint directory, or point model.tokenizer at one")
+        try:
+            tk = HfTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for an unparsable file
+            raise TokenizerError(f"tokenizer file {str(path)!r} cannot be loaded ({exc}). Fix: restore the "
+                                 f"checkpoint's tokenizer.json (a Hugging Face tokenizers file), or point "
+                                 f"model.tokenizer at one") from None
         eos = _eos_from_configs(path.parent, tk)
         if eos is None:
             eos = next((tk.token_to_id(n) for n in EOS_NAMES if tk.token_to_id(n) is not None), None)
@@ -211,6 +218,7 @@ def load_tokenizer_for(model: "ModelSpec") -> Tokenizer:
     else:
         return Tokenizer.build(model.layout.vocab_size)
     if tok.vocab_size > model.layout.vocab_size:
-        raise ValueError(f"tokenizer {tok.source} has {tok.vocab_size} ids but model.layout.vocab_size is "
-                         f"{model.layout.vocab_size}: ids beyond the embedding would fail")
+        raise TokenizerError(f"tokenizer {tok.source} has {tok.vocab_size} ids but model.layout.vocab_size is "
+                             f"{model.layout.vocab_size}: ids beyond the embedding would fail. Fix: use the "
+                             f"tokenizer.json made for this checkpoint (model.tokenizer)")
     return tok

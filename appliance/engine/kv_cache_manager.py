@@ -3,16 +3,13 @@
 - One BlockPool per cache group per partition (a partition = one data-parallel rank with its own pools).
 - Allocation is atomic across groups: a request gets every page the next tokens need in every group, or
   nothing (KvCapacityError naming need and free per group).
-- Full-history groups grow append-only: logical page i holds tokens [i * tokens_per_page, (i + 1) * ...).
-  Ring groups keep max_blocks_per_seq slots; logical page L lives in slot L % max_blocks_per_seq, and
-  moving to L + max_blocks_per_seq reuses the slot.
+- Each request holds one page table per group (page_table.py): full-history groups grow append-only,
+  ring groups reuse max_blocks_per_seq slots (copy-on-write: a slot moving on releases its old page and
+  takes a fresh one, so a cached old page stays in the cache for later hits instead of being overwritten).
 - Prefix caching: blocks of block_size tokens are named by chained hashes; a group's page at logical index
   L inside block j is cached under (H_j, index of the page within the block). Pages are registered only
   once their whole block is computed (commit). A hit of h tokens must be valid in every group: full
   groups need all pages of [0, h), ring groups only spec.live_logical_pages(h).
-- Copy-on-write for ring slots: a request never writes into a page it no longer exclusively owns. When a
-  slot moves to a new logical page, the old page is always released (refcount - 1) and a fresh page is
-  taken; a cached old page thus stays in the cache (evictable) for later hits instead of being overwritten.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.engine.block_pool import BlockPool
+from appliance.engine.page_table import PageTable, new_page_table
 from appliance.engine.prefix_cache import extend_block_hashes
 
 if TYPE_CHECKING:
@@ -49,14 +47,12 @@ class PrefixCacheStats:
 
 
 class _Seq:
-    """One request's pages. tables: full groups one page per logical page; ring groups one per slot (-1 = none)."""
+    """One request's pages (a page table per group, drawing on its partition's pools) and token counts."""
 
-    def __init__(self, request_id: str, partition: int, specs: Sequence[CacheGroupSpec]):
+    def __init__(self, request_id: str, partition: int, tables: dict[str, PageTable]):
         self.request_id = request_id
         self.partition = partition
-        self.tables = {s.name: [-1] * s.max_blocks_per_seq if s.is_ring else [] for s in specs}
-        self.slot_logical = {s.name: [-1] * s.max_blocks_per_seq for s in specs if s.is_ring}
-        self.num_pages = {s.name: 0 for s in specs}   # logical pages assigned so far (the next one to assign)
+        self.tables = tables
         self.tokens: list[int] = []
         self.hashes: list[bytes] = []
         self.num_computed = 0       # tokens whose cache entries are written (match_prefix / commit)
@@ -64,14 +60,6 @@ class _Seq:
         self.tokens_covered = 0     # tokens the assigned pages reach in every group (decode fast path)
         self.num_cached = 0         # prefix-hit tokens
         self.num_registered_blocks = 0
-
-    def page_at(self, spec: CacheGroupSpec, logical: int) -> int | None:
-        """Physical page holding `logical` of this group, or None when not (or no longer) held."""
-        table = self.tables[spec.name]
-        if not spec.is_ring:
-            return table[logical] if logical < len(table) else None
-        slot = logical % spec.max_blocks_per_seq
-        return table[slot] if self.slot_logical[spec.name][slot] == logical else None
 
 
 class KvCacheManager:
@@ -163,17 +151,16 @@ class KvCacheManager:
         if not self.enable_prefix_caching or len(seq.tokens) < 2:
             return 0
         extend_block_hashes(seq.hashes, seq.tokens, self.block_size, (len(seq.tokens) - 1) // self.block_size)
-        pools = self._pools[seq.partition]
-        blocks = self._longest_hit(pools, seq.hashes)
+        blocks = self._longest_hit(seq)
         if blocks:
-            self._share_hit(seq, pools, blocks)
+            self._share_hit(seq, blocks)
         self.prefix_stats.hit_tokens += seq.num_cached
         return seq.num_cached
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         """Whether allocate() for the next num_new_tokens would succeed now (an unknown request starts at 0)."""
         self._require_init()
-        seq = self._seqs.get(request_id) or _Seq(request_id, self._least_loaded(), self.specs)
+        seq = self._seqs.get(request_id) or self._new_seq(request_id)
         demand = self._demand(seq, seq.num_computed + num_new_tokens)
         return all(len(new) <= free for new, free in demand.values())
 
@@ -213,28 +200,14 @@ class KvCacheManager:
                 self._remove_seq(seq)
             raise
         seq.tokens.extend(token_ids[len(seq.tokens):])
-        pools, queued = self._pools[seq.partition], self._new_pages[seq.partition]
-        added: dict[str, list[int]] = {s.name: [] for s in self.specs}
-        for s in self.specs:                      # releases first (ring slots moving on), then takes
-            new, pool, table = demand[s.name][0], pools[s.name], seq.tables[s.name]
-            if s.is_ring:
-                for logical in new:
-                    slot = logical % s.max_blocks_per_seq
-                    if table[slot] >= 0:
-                        pool.release(table[slot])
-                        table[slot], seq.slot_logical[s.name][slot] = -1, -1
-            for logical in new:
-                page = pool.take()
-                if s.is_ring:
-                    slot = logical % s.max_blocks_per_seq
-                    table[slot], seq.slot_logical[s.name][slot] = page, logical
-                else:
-                    table.append(page)
-                added[s.name].append(page)
-            seq.num_pages[s.name] = max(seq.num_pages[s.name], new.stop)
-            queued[s.name].extend(added[s.name])
+        queued = self._new_pages[seq.partition]
+        added: dict[str, list[int]] = {}
+        for name, table in seq.tables.items():
+            new = demand[name][0]
+            added[name] = table.assign(new) if new else []   # most groups' pages still have room
+            queued[name].extend(added[name])
         seq.num_reserved = max(seq.num_reserved, target)
-        seq.tokens_covered = min(seq.num_pages[s.name] * s.tokens_per_page for s in self.specs)
+        seq.tokens_covered = min(table.tokens_covered for table in seq.tables.values())
         return added
 
     def commit(self, request_id: str, num_computed_tokens: int) -> None:
@@ -247,55 +220,26 @@ class KvCacheManager:
         full_blocks = num_computed_tokens // self.block_size
         if self.enable_prefix_caching and full_blocks > seq.num_registered_blocks:
             extend_block_hashes(seq.hashes, seq.tokens, self.block_size, full_blocks)
-            pools = self._pools[seq.partition]
-            for s in self.specs:
-                per_block = self.block_size // s.tokens_per_page
-                for logical in range(seq.num_registered_blocks * per_block, full_blocks * per_block):
-                    page = seq.page_at(s, logical)
-                    if page is not None:
-                        pools[s.name].register((seq.hashes[logical // per_block], logical % per_block), page)
+            for table in seq.tables.values():
+                table.register_blocks(seq.hashes, seq.num_registered_blocks, full_blocks)
             seq.num_registered_blocks = full_blocks
-        self._release_stale_ring_pages(seq)
-
-    def _release_stale_ring_pages(self, seq: _Seq) -> None:
-        """Give back ring pages behind the live tail: no later step reads them (cached ones stay evictable).
-
-        A decoding request then holds only the pages its window or compressor span needs, not all
-        max_blocks_per_seq slots, so short requests can run beyond capacity_slots at once.
-        """
-        pools = self._pools[seq.partition]
-        for s in self.specs:
-            if not s.is_ring:
-                continue
-            first_live = s.live_logical_pages(seq.num_computed).start
-            table, logical_of = seq.tables[s.name], seq.slot_logical[s.name]
-            for slot, logical in enumerate(logical_of):
-                if 0 <= logical < first_live:
-                    pools[s.name].release(table[slot])
-                    table[slot], logical_of[slot] = -1, -1
+        for table in seq.tables.values():
+            table.release_stale(num_computed_tokens)
 
     def free(self, request_id: str) -> bool:
         """Release everything the request holds (cached pages become evictable). False if it held nothing."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        pools = self._pools[seq.partition]
-        for s in self.specs:                      # newest first, so the tail of a prefix is evicted first
-            table = seq.tables[s.name]
-            if s.is_ring:
-                order = sorted((lg, table[slot]) for slot, lg in enumerate(seq.slot_logical[s.name]) if lg >= 0)
-                pages = [page for _, page in order]
-            else:
-                pages = list(table)
-            for page in reversed(pages):
-                pools[s.name].release(page)
+        for table in seq.tables.values():
+            table.release_all()
         self._remove_seq(seq)
         return True
 
     # -- views for the scheduler and the runner ------------------------------------------------------
     def block_tables(self, request_id: str) -> dict[str, list[int]]:
         """SeqStep.block_tables: full groups one page per logical page; ring groups one per slot, -1 = none."""
-        return {name: list(table) for name, table in self._get(request_id).tables.items()}
+        return {name: table.block_table() for name, table in self._get(request_id).tables.items()}
 
     def take_new_pages(self, partition: int | None = None) -> dict[str, list[int]]:
         """Pages (per group) assigned to a new logical page since the last call, for StepBatch.new_pages."""
@@ -337,28 +281,16 @@ class KvCacheManager:
 
     # -- internals ---------------------------------------------------------------------------------
     def _demand(self, seq: _Seq, target: int) -> dict[str, tuple[range, int]]:
-        """Per group: logical pages to assign so that tokens [0, target) can be computed, and pages available."""
+        """Per group: logical pages to assign so that tokens [0, target) can be computed, and pages available
+        (free in the pool plus those the request's own reused ring slots give back)."""
         pools = self._pools[seq.partition]
         demand = {}
-        for s in self.specs:
-            pool, tpp, mbps = pools[s.name], s.tokens_per_page, s.max_blocks_per_seq
-            end = -(-target // tpp)
-            if s.is_ring:
-                start = min(seq.num_computed // tpp, s.live_logical_pages(target).start)
-                if end - start > mbps:
-                    raise ValueError(
-                        f"request {seq.request_id!r}: tokens [{seq.num_computed}, {target}) need logical pages "
-                        f"[{start}, {end}) of ring group {s.name!r}, more than its {mbps} slots; a step must not "
-                        f"exceed tokens_in_flight")
-            elif end > mbps:
-                raise ValueError(f"request {seq.request_id!r}: {target} tokens need {end} pages of group "
-                                 f"{s.name!r}, more than max_blocks_per_seq {mbps} (max_model_len)")
-            new = range(seq.num_pages[s.name], max(seq.num_pages[s.name], end))
-            free = pool.num_free
-            if s.is_ring:   # pages this request releases from reused slots become free for its own takes
-                table = seq.tables[s.name]
-                free += sum(1 for lg in new if table[lg % mbps] >= 0 and pool.refcount(table[lg % mbps]) == 1)
-            demand[s.name] = (new, free)
+        for name, table in seq.tables.items():
+            try:
+                new = table.new_logical_pages(seq.num_computed, target)
+            except ValueError as err:
+                raise ValueError(f"request {seq.request_id!r}: {err}") from None
+            demand[name] = (new, pools[name].num_free + table.reusable_pages(new))
         return demand
 
     def _raise_capacity(self, seq: _Seq, num_new_tokens: int, demand: dict[str, tuple[range, int]]) -> None:
@@ -369,42 +301,23 @@ class KvCacheManager:
             f"cannot allocate {num_new_tokens} tokens for request {seq.request_id!r} (computed {seq.num_computed}) "
             f"on partition {seq.partition}: {detail}", need, free)
 
-    def _longest_hit(self, pools: dict[str, BlockPool], hashes: list[bytes]) -> int:
-        """Most whole blocks every group can serve from the cache."""
-        blocks = len(hashes)
-        for s in self.specs:
-            if not s.is_ring:
-                per_block, logical = self.block_size // s.tokens_per_page, 0
-                while logical < blocks * per_block and self._lookup(pools, s, hashes, logical) is not None:
-                    logical += 1
-                blocks = min(blocks, logical // per_block)
-        rings = [s for s in self.specs if s.is_ring]
-        while blocks and not all(self._lookup(pools, s, hashes, lg) is not None
-                                 for s in rings for lg in self._hit_pages(s, blocks)):
-            blocks -= 1
+    def _longest_hit(self, seq: _Seq) -> int:
+        """Most whole blocks every group can serve from the cache.
+
+        Each table answers the most blocks, at most those asked, it can serve; a ring's answer for fewer
+        blocks needs other pages, so the count is lowered in turn until every table agrees on it.
+        """
+        tables = list(seq.tables.values())
+        blocks, agreeing, turn = len(seq.hashes), 0, 0
+        while blocks and agreeing < len(tables):
+            fewer = tables[turn].longest_hit(seq.hashes, blocks)
+            agreeing = agreeing + 1 if fewer == blocks else 1
+            blocks, turn = fewer, (turn + 1) % len(tables)
         return blocks
 
-    def _hit_pages(self, spec: CacheGroupSpec, blocks: int) -> range:
-        """Logical pages a hit of `blocks` blocks shares: all of them (full), the live tail (ring)."""
-        live = spec.live_logical_pages(blocks * self.block_size)
-        return live if not spec.is_ring else live[-spec.max_blocks_per_seq:]
-
-    def _lookup(self, pools: dict[str, BlockPool], spec: CacheGroupSpec, hashes: list[bytes], logical: int) -> int | None:
-        per_block = self.block_size // spec.tokens_per_page
-        return pools[spec.name].lookup((hashes[logical // per_block], logical % per_block))
-
-    def _share_hit(self, seq: _Seq, pools: dict[str, BlockPool], blocks: int) -> None:
-        for s in self.specs:
-            table = seq.tables[s.name]
-            for logical in self._hit_pages(s, blocks):
-                page = self._lookup(pools, s, seq.hashes, logical)
-                pools[s.name].share(page)
-                if s.is_ring:
-                    slot = logical % s.max_blocks_per_seq
-                    table[slot], seq.slot_logical[s.name][slot] = page, logical
-                else:
-                    table.append(page)
-            seq.num_pages[s.name] = blocks * self.block_size // s.tokens_per_page
+    def _share_hit(self, seq: _Seq, blocks: int) -> None:
+        for table in seq.tables.values():
+            table.share_hit(seq.hashes, blocks)
         seq.num_computed = seq.num_reserved = seq.num_cached = seq.tokens_covered = blocks * self.block_size
         seq.num_registered_blocks = blocks
 
@@ -413,8 +326,14 @@ class KvCacheManager:
         return min(range(self.num_partitions),
                    key=lambda p: (self._num_seqs[p], self._pools[p][first].num_used, p))
 
+    def _new_seq(self, request_id: str) -> _Seq:
+        partition = self._least_loaded()
+        pools = self._pools[partition]
+        return _Seq(request_id, partition, {s.name: new_page_table(s, pools[s.name], self.block_size)
+                                            for s in self.specs})
+
     def _add_seq(self, request_id: str) -> _Seq:
-        seq = self._seqs[request_id] = _Seq(request_id, self._least_loaded(), self.specs)
+        seq = self._seqs[request_id] = self._new_seq(request_id)
         self._num_seqs[seq.partition] += 1
         return seq
 

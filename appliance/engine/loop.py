@@ -25,10 +25,11 @@ from appliance.core.request import (
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
-from appliance.core.tokenizer import load_tokenizer_for
 from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
+from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
 from npu.launcher import launch
 from npu.sampler import Sampler
 from npu.step import SeqStep, StepBatch
@@ -72,16 +73,27 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.limits = RequestLimits(rc.model.layout.vocab_size, rc.max_model_len)
         self.steps = 0
+        self._preflight: Preflight | None = None
+        self._stats = StatsRecorder()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self.report is not None and not self._draining
 
+    def prepare(self) -> Preflight:
+        """Run the startup checks that need no device work (appliance.engine.preflight), once; a server calls
+        this before binding its port, start() otherwise."""
+        if self._preflight is None:
+            self._preflight = preflight(self.rc)
+        return self._preflight
+
     def start(self) -> StartupReport:
-        """Launch the device plane (weights, profile, plan, allocate), size the KV manager, start the loop."""
-        self.tokenizer = load_tokenizer_for(self.rc.model)
-        runner, report = launch(self.rc)
+        """Preflight, launch the device plane (weights, profile, plan, allocate), size the KV manager, start
+        the loop."""
+        checked = self.prepare()
+        self.tokenizer = checked.tokenizer
+        runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
         manager.initialize_from_plan(report.plan)
@@ -159,11 +171,24 @@ class Engine:
         with self._lock:
             return len(self._in_flight)
 
+    def stats(self) -> EngineStats:
+        """Live figures for the front ends (thread-safe; published by the loop once per iteration)."""
+        return self._stats.snapshot()
+
+    def _publish_stats(self) -> None:
+        sched, kv = self.scheduler, self.kv_cache_manager
+        self._stats.publish(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.prefix_stats.query_tokens, prefix_cache_hits=kv.prefix_stats.hit_tokens,
+            groups=[GroupUsage(s.name, kv.num_total_blocks(s.name), kv.num_free_blocks(s.name))
+                    for s in self.rc.model.cache_groups])
+
     # -- the loop --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         sched = self.scheduler
         by_id: dict[str, Sequence] = {}
         while not self._stop.is_set():
+            self._publish_stats()
             if sched.has_work():
                 try:
                     kind, item = self._inbox.get_nowait()
@@ -222,11 +247,24 @@ class Engine:
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             kv.commit(s.seq.request_id, s.seq.num_computed_tokens)
+        self._record_tokens([s.seq for s in samplers])
         finished = []
         for s, token in zip(samplers, tokens):
             if self._append(s.seq, token):
                 finished.append(s.seq)
         return finished
+
+    def _record_tokens(self, seqs: list[Sequence]) -> None:
+        """Count the tokens this step samples for `seqs` and their latencies (before they are appended)."""
+        now = time.monotonic()
+        first = [seq for seq in seqs if not seq.output_token_ids]
+        self._stats.record_step(
+            prompt_tokens=sum(seq.num_prompt_tokens for seq in first),
+            first_token_latencies=[now - seq.arrival_time for seq in first],
+            inter_token_latencies=[now - seq.last_token_time for seq in seqs if seq.output_token_ids],
+            generation_tokens=len(seqs))
+        for seq in seqs:
+            seq.last_token_time = now
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append a sampled token, apply stop rules, stream the delta. True when the sequence finished."""
@@ -271,4 +309,5 @@ class Engine:
         seq.num_text_emitted += len(new_text)
         with self._lock:
             self._in_flight.discard(seq.request_id)
+        self._stats.record_finished(reason.value, time.monotonic() - seq.arrival_time)
         seq.emit(new_tokens or [], new_text)

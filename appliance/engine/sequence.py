@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum
 from typing import Callable
 
@@ -28,6 +29,8 @@ class Sequence:
         self.params = params
         self.on_output = on_output
         self.arrival = next(_arrival)
+        self.arrival_time = time.monotonic()   # submit time: TTFT and end-to-end latency start here
+        self.last_token_time: float | None = None
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0       # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0  # prefix-cache hit of the first admission

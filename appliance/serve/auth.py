@@ -1,4 +1,5 @@
-"""Bearer-token authentication for the gRPC server: constant-time comparison, health left open for probes."""
+"""Bearer-token authentication for the gRPC and HTTP front ends: constant-time comparison, health left open for
+probes."""
 
 from __future__ import annotations
 
@@ -9,18 +10,26 @@ import grpc
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)   # answered without a token so that probes work
 
+
+def bearer_token_matches(value: str | bytes | None, token: str) -> bool:
+    """Whether an authorization value is "Bearer <token>" (constant time, so timing reveals nothing)."""
+    if value is None:
+        return False
+    got = value.encode() if isinstance(value, str) else bytes(value)
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without "authorization: Bearer <token>" with UNAUTHENTICATED; health stays open."""
 
     def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._open_prefixes = open_prefixes
 
     def authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key.lower() == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
+                return bearer_token_matches(value, self._token)
         return False
 
     async def intercept_service(self, continuation, details):

@@ -1,7 +1,7 @@
 """Proto <-> core conversions, in one place for the server and the client (both directions of every enum).
 
 StartupReport -> StartupResponse, SamplingParams <-> proto SamplingParams, GenerateRequest -> prompt,
-RequestOutput <-> GenerateResponse.
+RequestOutput <-> GenerateResponse, EngineStats -> StatsResponse.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from appliance.core.request import (
     Usage,
 )
 from appliance.core.startup_report import StartupReport
+from appliance.engine.stats import EngineStats, HistogramSnapshot
 from appliance.serve.api import appliance_pb2 as pb
 
 _FINISH = {
@@ -118,3 +119,22 @@ def generate_request(prompt: str | Sequence[int], request_id: str = "", **sampli
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _histogram(h: HistogramSnapshot) -> pb.Histogram:
+    return pb.Histogram(upper_bounds=h.upper_bounds, bucket_counts=h.bucket_counts, count=h.count, sum=h.sum)
+
+
+def stats_response(stats: EngineStats, state: str) -> pb.StatsResponse:
+    """The Stats answer: the engine's live figures (the same snapshot GET /metrics exports)."""
+    return pb.StatsResponse(
+        state=state, num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
+        num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens, prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits, requests_finished=dict(stats.finished),
+        cache_groups=[pb.CacheGroupUsage(name=g.name, total_blocks=g.total_blocks, used_blocks=g.used_blocks,
+                                         free_blocks=g.free_blocks, usage=g.usage) for g in stats.groups],
+        time_to_first_token_seconds=_histogram(stats.time_to_first_token),
+        time_per_output_token_seconds=_histogram(stats.time_per_output_token),
+        e2e_request_latency_seconds=_histogram(stats.e2e_request_latency),
+    )

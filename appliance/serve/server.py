@@ -15,7 +15,9 @@ server, engine.shutdown(), return (exit 0).
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -29,6 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.errors import StartupError
 from appliance.core.request import (
     EngineUnavailableError,
     QueueFullError,
@@ -45,30 +48,21 @@ from appliance.serve.convert import (
     request_prompt,
     sampling_params,
     startup_response,
+    stats_response,
 )
+from appliance.serve.http import HttpBindError, HttpFrontEnd
+from appliance.serve.streams import open_stream
+from appliance.serve.tls import load_tls_pair
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
 FLUSH_GRACE_S = 2.0          # after the drain: time for the last messages of finished streams to go out
 
 
-def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
-    """Merge deltas that queued up while the stream was busy: one message instead of many when the client or
-    the event loop falls behind the engine (the concatenation of deltas stays the same)."""
-    while not out.finished and out.error is None and not queue.empty():
-        nxt = queue.get_nowait()
-        out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
-                            nxt.finish_reason, nxt.usage, nxt.error)
-    return out
-
-
-
-
-
 # -- service -------------------------------------------------------------------------------------------
 
 class ApplianceService(pb_grpc.ApplianceServicer):
-    """The two RPCs; reads the server's state (starting / serving / draining) through `server`."""
+    """The RPCs; read the server's state (starting / serving / draining) through `server`."""
 
     def __init__(self, server: "ApplianceServer"):
         self._server = server
@@ -93,22 +87,10 @@ class ApplianceService(pb_grpc.ApplianceServicer):
         if srv.state != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is {srv.state}; retry when health is SERVING")
         request_id = request.request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def on_output(out: RequestOutput) -> None:        # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
         try:
             prompt = request_prompt(request)
             params = sampling_params(request.sampling)
-            submit = loop.run_in_executor(srv.executor, srv.engine.submit, request_id, prompt, params, on_output)
-            try:
-                handle = await asyncio.shield(submit)
-            except asyncio.CancelledError:
-                # The client went away while submit ran: abort the request as soon as it exists.
-                submit.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
-                raise
+            stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=(("invalid-field", exc.field),))
@@ -122,7 +104,7 @@ class ApplianceService(pb_grpc.ApplianceServicer):
             # Headers go out at once: the client learns the request was accepted (queued) and its id.
             await context.send_initial_metadata((("request-id", request_id),))
             while not finished:
-                out = coalesce(await queue.get(), queue)
+                out = await stream.next_output()
                 finished = out.finished
                 if out.error is not None:
                     finished = True
@@ -133,11 +115,42 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                 yield generate_response(out)
         finally:
             if not finished:      # client cancel, deadline, or server stop: free its blocks now
-                handle.abort()
+                stream.abort()
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return stats_response(self._server.engine.stats(), self._server.state)
 
 
-class ServerBindError(OSError):
-    """server.host:server.port cannot be bound."""
+class ServerBindError(StartupError, OSError):
+    """server.host:server.port cannot be bound (the CLI exits 2 with the message)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind server.host:server.port with a plain socket first, so a busy port or a foreign address is reported
+    with its reason and the fix (gRPC only logs a C-core line and fails). Port 0 picks a free port: nothing to check."""
+    if port == 0:
+        return
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC binds: TIME_WAIT does not block
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise ServerBindError(bind_failure(host, port, exc)) from None
+
+
+def bind_failure(host: str, port: int, exc: OSError | None) -> str:
+    """Why server.host:server.port cannot be bound, and what to change."""
+    where = f"cannot listen on server.host={host} server.port={port}"
+    if exc is not None and exc.errno == errno.EADDRINUSE:
+        return (f"{where}: the port is in use (another server, or an appliance still running). Fix: pick a free "
+                f"port, e.g. server.port={port + 1 if 0 < port < 65535 else 50052}, or stop the process holding it")
+    if exc is not None and exc.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges. Fix: server.port=50051 (or any port from 1024 up)"
+    reason = f" ({exc.strerror or exc})" if exc is not None else ""
+    return (f"{where}{reason}: the host is not an address of this machine or the port is in use. Fix: "
+            f"server.host=127.0.0.1 (or 0.0.0.0 with TLS or server.insecure=true), or another server.port")
 
 
 # -- server --------------------------------------------------------------------------------------------
@@ -160,6 +173,8 @@ class ApplianceServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
+        self._tls = load_tls_pair(rc.server)        # checked here, before the engine's preflight and the bind
+        self.http = HttpFrontEnd(self) if rc.server.http_port is not None else None   # OpenAI-compatible HTTP
 
     @property
     def address(self) -> str:
@@ -178,6 +193,7 @@ class ApplianceServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop.set)
         await self._start_grpc()
+        await self._start_http()
         start = self._start_engine()
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -187,12 +203,14 @@ class ApplianceServer:
             print("shutdown requested during engine start; stopping without serving", flush=True)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             self.state = "stopped"
+            await self._stop_http()
             await self._server.stop(0)
             self.executor.shutdown(wait=False)
             return {"status": "interrupted", "mode": "serve", "address": self.address}
         if start.exception() is not None:
             self.start_error = start.exception()
             self.ready.set()
+            await self._stop_http()
             await self._server.stop(FLUSH_GRACE_S)
             self.executor.shutdown(wait=False)
             raise self.start_error
@@ -216,24 +234,43 @@ class ApplianceServer:
             self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         bind = f"[{srv.host}]:{srv.port}" if ":" in srv.host else f"{srv.host}:{srv.port}"
+        check_port_free(srv.host, srv.port)
         port = 0
         try:
-            if srv.tls_cert_file:
-                creds = grpc.ssl_server_credentials(
-                    [(Path(srv.tls_key_file).read_bytes(), Path(srv.tls_cert_file).read_bytes())])
-                port = self._server.add_secure_port(bind, creds)
+            if self._tls is not None:
+                port = self._server.add_secure_port(bind, grpc.ssl_server_credentials([self._tls]))
             else:
                 port = self._server.add_insecure_port(bind)
         except RuntimeError:          # grpc raises "Failed to bind"; older releases return 0
             pass
         if not port:
-            raise ServerBindError(f"cannot listen on server.host:server.port {bind}: the port is in use or the "
-                                  f"host is not an address of this machine")
+            raise ServerBindError(bind_failure(srv.host, srv.port, None))
         self.port = port
         await self._server.start()
         tls = "TLS" if srv.tls_cert_file else "plaintext"
         print(f"listening on {self.address} ({tls}{', bearer token' if srv.auth_token else ''}); "
               f"health NOT_SERVING while the engine starts", flush=True)
+
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible HTTP front end beside gRPC (server.http_port; null disables it)."""
+        if self.http is None:
+            return
+        try:
+            port = await self.http.start(FLUSH_GRACE_S)
+        except BaseException as exc:
+            await self._server.stop(0)
+            if isinstance(exc, HttpBindError):
+                raise ServerBindError(str(exc)) from None
+            raise
+        srv = self.rc.server
+        host = f"[{srv.host}]" if ":" in srv.host else srv.host
+        scheme = "https" if srv.tls_cert_file else "http"
+        print(f"http listening on {host}:{port} ({scheme}://{host}:{port}/v1 OpenAI-compatible, /health, /metrics"
+              f"{'; bearer token' if srv.auth_token else ''})", flush=True)
+
+    async def _stop_http(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
 
     def _start_engine(self) -> asyncio.Future:
         """engine.start() in a daemon thread: it blocks for minutes on big models, and a shutdown requested
@@ -276,6 +313,7 @@ class ApplianceServer:
         self.state = "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._loop.run_in_executor(None, self.engine.drain, grace)
+        await self._stop_http()
         await self._server.stop(FLUSH_GRACE_S)
         self.state = "stopped"
         await self._loop.run_in_executor(None, self.engine.shutdown)
@@ -288,16 +326,18 @@ class ApplianceServer:
 
 
 def serve(rc: RuntimeConfig, engine: Any = None, output_dir: Path | None = None) -> dict[str, Any]:
-    """mode=serve: run the server until SIGTERM/SIGINT; raises InsufficientMemoryError if the engine cannot fit."""
+    """mode=serve: run the server until SIGTERM/SIGINT.
+
+    Before the port is bound: the TLS pair loads, then the engine's preflight (checkpoint files, backend, whether
+    the weights can fit, tokenizer). Any startup fault, there or while the engine starts, raises a StartupError.
+    """
     if engine is None:
         from appliance.engine.loop import (
             Engine,  # imported here: torch loads only when serving for real
         )
         engine = Engine(rc)
-    try:
-        result = asyncio.run(ApplianceServer(rc, engine, output_dir).run(install_signal_handlers=True))
-    except ServerBindError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    server = ApplianceServer(rc, engine, output_dir)
+    engine.prepare()
+    result = asyncio.run(server.run(install_signal_handlers=True))
     sys.stdout.flush()
     return result

@@ -1,7 +1,5 @@
 """Config composition and validation: reference figures, every rule with its key path, CLI behaviour."""
 
-import time
-
 import pytest
 
 from appliance.config.compose import compose, load_runtime_config
@@ -221,16 +219,28 @@ def test_cli_composition_errors_exit_2(cli, args, words):
         assert w in proc.stderr
 
 
-def test_cli_validate_prints_groups_fast_and_without_torch(cli):
-    start = time.perf_counter()
+def test_cli_validate_prints_groups_without_torch(cli):
     proc = cli("+model=dsv4", "mode=validate", "max_model_len=8192", env={"PYTHONPROFILEIMPORTTIME": "1"})
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     assert "5,636,096" in proc.stdout and "csa_inner_state" in proc.stdout and "160,940,032" in proc.stdout
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "appliance.config.compose" in imported  # the import log really was captured
     assert not any(m == "torch" or m.startswith("torch.") for m in imported)
-    assert elapsed < 10  # the 2 s target is measured in BENCHMARKS.md, not asserted here
+
+
+def test_architecture_rules_run_at_validate(cli):
+    """The arch registry's rules are config rules: caught by mode=validate, not when a runner is built."""
+    proc = cli("+model=qwen3_tiny", "model.cache_groups.0.row.width=32", "mode=validate")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "model.cache_groups[0].row.width = 32: must be 2 x num_kv_heads x head_dim = 64" in proc.stderr
+
+
+def test_architecture_rules_name_key_paths():
+    assert_issue(["model.layout.num_kv_heads=2", "+model=dsv4_tiny"], "model.layout.num_kv_heads", ["MQA", "1"])
+    assert_issue(["+model=dsv4_tiny", "model.cache_groups.3.row.width=8"], "model.cache_groups[3].row.width",
+                 ["idx", "16"])
+    assert_issue(["+model=qwen3_tiny", "model.cache_groups.0.history=ring", "model.cache_groups.0.ring_span=sliding_window",
+                  "model.layout.sliding_window=16"], "model.cache_groups[0].history", ["full"])
 
 
 def test_step_budget_and_prefill_tiles_are_whole_blocks():

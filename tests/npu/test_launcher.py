@@ -133,3 +133,47 @@ def test_tiny_deepseek_v4_starts_on_cpu():
     assert report.arch == "deepseek_v4" and report.capacity_slots > 0
     for g in report.plan.groups:
         assert runner.pools[g.name].shape[1] == g.num_blocks + rc.decode_batch
+
+
+# -- before any weight is materialized: can the weights fit at all? -----------------------------------------
+
+def test_weights_that_cannot_fit_fail_before_the_runner_exists_naming_every_number():
+    from appliance.core.estimate import estimate_peak_non_kv
+    from npu.launcher import check_weights_fit
+
+    rc = load_runtime_config(["+model=dsv4", "device=npu", "npu_memory_utilization=0.85"])
+    weights = estimate_peak_non_kv(rc.model, 1, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    totals = [NPU_64G * 8] * 4
+    totals[2] = NPU_64G                                     # one small device is enough to refuse
+    with pytest.raises(InsufficientMemoryError) as err:
+        check_weights_fit(rc, FakeBackend(FakeMemoryProbe(4, totals), kind="npu"))
+    msg = str(err.value)
+    usable = int(NPU_64G * 0.85)
+    assert msg.startswith(f"{rc.model.name} does not fit on device npu:2; nothing was loaded")
+    assert f"{NPU_64G:,} B (64.00 GiB) x 0.85 = {usable:,} B" in msg
+    assert f"estimated weights               {weights:,} B" in msg
+    assert "shortfall" in msg and "Fix:" in msg and "mode=plan device=ascend_a3" in msg
+    assert weights > usable
+
+
+def test_weights_that_fit_pass_the_check():
+    from npu.launcher import check_weights_fit
+
+    rc = load_runtime_config(["+model=dsv4", "device=npu"])
+    check_weights_fit(rc, FakeBackend(FakeMemoryProbe(2, 512 * GiB), kind="npu"))
+    tiny = load_runtime_config(["device=cpu"])
+    check_weights_fit(tiny, CpuBackend(memory_bytes_per_device=64 * MiB))
+
+
+def test_the_check_counts_the_least_kv_cache_too():
+    """Weights that fit alone still fail when no slot of KV cache fits beside them."""
+    from appliance.core.estimate import estimate_peak_non_kv
+    from appliance.core.kv_cache_spec import bytes_per_slot
+    from npu.launcher import check_weights_fit
+
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "npu_memory_utilization=1.0"])
+    weights = estimate_peak_non_kv(rc.model, 1, 0).weight_bytes_per_device
+    need = weights + scratch_bytes(rc.model.cache_groups, rc.decode_batch) + bytes_per_slot(rc.model.cache_groups)
+    check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need))
+    with pytest.raises(InsufficientMemoryError, match="shortfall                       1 B"):
+        check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need - 1))

@@ -145,3 +145,60 @@ def test_load_tokenizer_for_random_and_checkpoint_models(tmp_path, qwen3_tiny):
     path = write_tiny_checkpoint(tmp_path, qwen3_tiny, seed=0)
     tok = load_tokenizer_for(dataclasses.replace(qwen3_tiny, weights=str(path)))
     assert tok.source == str(path / "tokenizer.json")
+
+
+# -- startup faults: unreadable files, NaN / inf, memory of random weights ---------------------------------
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda data: b"", ["0 bytes", "header too small"]),
+    (lambda data: data[:-100], ["incomplete metadata"]),
+    (lambda data: b"\x07" * len(data), ["header too large"]),
+])
+def test_unreadable_safetensors_is_named_before_any_data_is_read(tmp_path, damage, words):
+    state = random_state_dict(EXPECTED, seed=1, device="cpu")
+    save_file({n: state[n] for n in ("emb.weight", "norm.weight")}, str(tmp_path / "a.safetensors"))
+    save_file({n: state[n] for n in ("layers.0.attn_norm.weight", "layers.0.proj.weight")},
+              str(tmp_path / "b.safetensors"))
+    bad = tmp_path / "b.safetensors"
+    bad.write_bytes(damage(bad.read_bytes()))
+    with pytest.raises(CheckpointError) as err:
+        load_state_dict(tmp_path, EXPECTED, "cpu", progress=False)
+    msg = str(err.value)
+    assert f"checkpoint file '{bad}'" in msg and "Fix:" in msg
+    assert all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("value,stored,expected_dtype,what", [
+    (float("nan"), torch.float32, torch.float32, "1 NaN or inf value(s)"),
+    (float("inf"), torch.bfloat16, torch.bfloat16, "1 NaN or inf value(s)"),
+    (1e6, torch.float32, torch.float16, "as float16"),                   # finite in fp32, inf once cast to fp16
+    (float("nan"), torch.float32, torch.float8_e4m3fn, "as float8_e4m3fn"),
+])
+def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path, value, stored, expected_dtype, what):
+    expected = {"emb.weight": ((4, 8), expected_dtype), "norm.weight": ((8,), torch.float32)}
+    emb = torch.zeros(4, 8, dtype=stored)
+    emb[2, 3] = value
+    save_file({"emb.weight": emb, "norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        load_state_dict(tmp_path, expected, "cpu", progress=False)
+    msg = str(err.value)
+    assert msg.startswith("checkpoint tensor emb.weight in ") and "model.safetensors" in msg and what in msg
+    emb[2, 3] = 0.5
+    save_file({"emb.weight": emb, "norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
+    assert load_state_dict(tmp_path, expected, "cpu", progress=False)["emb.weight"].dtype == expected_dtype
+
+
+def test_random_weights_are_made_one_tensor_at_a_time_in_their_target_dtype():
+    """Never a float32 copy of the model: the host holds the finished tensors plus at most one sample."""
+    from npu.cpu_memory import AllocationTracker
+
+    expected = {f"layers.{i}.proj.weight": ((256, 512), torch.bfloat16) for i in range(6)}
+    expected["layers.0.experts.w1.weight"] = ((256, 512), torch.float8_e4m3fn)   # sampled in bfloat16, then cast
+    with AllocationTracker() as tracker:
+        state = random_state_dict(expected, seed=0, device="cpu")
+    final = sum(t.numel() * t.element_size() for t in state.values())
+    one_bf16_sample = 256 * 512 * 2
+    assert tracker.live_bytes >= final                      # the tracker saw every tensor being made
+    assert tracker.peak_live_bytes <= final + one_bf16_sample
+    assert all(state[n].dtype == dt for n, (_, dt) in expected.items())
+    assert 0.015 < state["layers.3.proj.weight"].float().std().item() < 0.025

@@ -21,6 +21,7 @@ from appliance.core.request import (
     validate_request,
 )
 from appliance.core.startup_report import StartupReport
+from appliance.engine.stats import EngineStats, GroupUsage
 
 
 class ByteTokenizer:
@@ -76,6 +77,9 @@ class FakeEngine:
         self._free: dict[str, int] = {}
         self._total: dict[str, int] = {}
 
+    def prepare(self) -> None:
+        """No files and no device to check (serve() calls this before binding)."""
+
     def start(self) -> StartupReport:
         if self.start_gate is not None:
             self.start_gate.wait(30)
@@ -99,6 +103,11 @@ class FakeEngine:
 
     def kv_total_blocks(self) -> dict[str, int]:
         return dict(self._total)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(num_running=len(self.requests),
+                               groups=tuple(GroupUsage(g, self._total[g], self._free[g]) for g in self._total))
 
     def submit(self, request_id, prompt, params, on_output=None):
         if self.report is None or self.draining:

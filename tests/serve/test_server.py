@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,11 +27,13 @@ from appliance.core.planner import InsufficientMemoryError
 from appliance.core.request import FinishReason, RequestOutput, Usage
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
-from appliance.serve.server import ApplianceServer, ServerBindError, coalesce
+from appliance.serve.server import ApplianceServer, ServerBindError
+from appliance.serve.streams import coalesce
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+from tests.serve.certs import needs_openssl, self_signed_cert  # noqa: E402
 from tests.serve.fake_engine import FakeEngine, fake_token  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def expected_tokens(prompt: str, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def base_rc():
-    return load_runtime_config(["server.port=0", "server.grace_period_s=5"])
+    return load_runtime_config(["server.port=0", "server.http_port=null", "server.grace_period_s=5"])
 
 
 def with_server(rc, **changes):
@@ -182,9 +183,12 @@ def test_busy_port_is_a_clear_error(base_rc):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        rc = with_server(base_rc, port=sock.getsockname()[1])
-        with pytest.raises(ServerBindError, match="server.host:server.port 127.0.0.1:"):
+        port = sock.getsockname()[1]
+        rc = with_server(base_rc, port=port)
+        with pytest.raises(ServerBindError) as err:
             asyncio.run(ApplianceServer(rc, FakeEngine(rc)).run())
+    assert f"server.host=127.0.0.1 server.port={port}: the port is in use" in str(err.value)
+    assert "Fix: pick a free port, e.g. server.port=" in str(err.value)
 
 
 def test_coalesce_merges_queued_deltas_and_keeps_the_finish():
@@ -386,7 +390,7 @@ def test_reflection_lists_and_describes_the_services(running):
     from google.protobuf import descriptor_pb2
     fd = descriptor_pb2.FileDescriptorProto.FromString(described.file_descriptor_response.file_descriptor_proto[0])
     assert fd.package == "appliance.v1"
-    assert [m.name for m in fd.service[0].method] == ["Startup", "Generate"]
+    assert [m.name for m in fd.service[0].method] == ["Startup", "Generate", "Stats"]
     channel.close()
 
 
@@ -398,12 +402,9 @@ def test_max_message_bytes_is_enforced(base_rc, running):
     assert c.complete("y" * 100, max_tokens=2)[0] == expected_tokens("y" * 100, 2)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@needs_openssl
 def test_tls(base_rc, running, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    key, cert = self_signed_cert(tmp_path)
     srv = running(with_server(base_rc, tls_cert_file=str(cert), tls_key_file=str(key)))
     secure = ApplianceClient(srv.address, root_cert=cert, server_name="localhost")
     assert secure.startup(timeout=10).capacity_slots == 4
@@ -433,7 +434,7 @@ SIGTERM_SCRIPT = """
 from tests.serve.fake_engine import FakeEngine
 from appliance.config.compose import load_runtime_config
 from appliance.serve.server import serve
-rc = load_runtime_config(["server.port=0", "server.grace_period_s=5"])
+rc = load_runtime_config(["server.port=0", "server.http_port=0", "server.grace_period_s=5"])
 engine = FakeEngine(rc, step_s=0.01)
 result = serve(rc, engine)
 print("result", result["status"], "shutdown", engine.shutdown_called, "drained", engine.drain_calls, flush=True)

@@ -29,7 +29,7 @@ from appliance.serve.server import ApplianceServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["device=cpu", "max_model_len=128", "max_num_seqs=8", "kv_cache.num_slots_override=16",
-             "server.port=0", "server.grace_period_s=5"]
+             "server.port=0", "server.http_port=0", "server.grace_period_s=5"]
 MAX_TOKENS = 12
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from appliance.core.archs import deepseek_v4, deepseek_v4_weights, qwen3
+from appliance.core.archs.hf_config import HfLayout
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigError, ConfigIssue
 
@@ -35,14 +36,25 @@ class Architecture:
     # The parameters as released (names, shapes, stored formats), when the arch describes them torch-free:
     # the runner's expected weights, the plan's weight estimate and mode=validate's counts all read it.
     parameters: Callable[[Layout], deepseek_v4_weights.ParameterCounts] | None = None
+    # Serving a checkpoint directory (+model=hf): its config.json "architectures" names, the layout it gives,
+    # and the cache groups a finished layout needs (model-YAML shaped dicts).
+    hf_architectures: tuple[str, ...] = ()
+    layout_from_hf_config: Callable[[dict[str, Any]], HfLayout] | None = None
+    cache_groups_for: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS),
+    Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
+                 hf_architectures=qwen3.HF_ARCHITECTURES, layout_from_hf_config=qwen3.layout_from_hf_config,
+                 cache_groups_for=qwen3.cache_groups_for),
     Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
                  frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4.config_view,
-                 deepseek_v4.CONFIG_FIXED, deepseek_v4_weights.parameter_counts),
+                 deepseek_v4.CONFIG_FIXED, deepseek_v4_weights.parameter_counts,
+                 hf_architectures=deepseek_v4.HF_ARCHITECTURES,
+                 layout_from_hf_config=deepseek_v4.layout_from_hf_config,
+                 cache_groups_for=deepseek_v4.cache_groups_for),
 )}
+HF_ARCHITECTURES: dict[str, Architecture] = {hf: a for a in ARCHITECTURES.values() for hf in a.hf_architectures}
 
 
 def architecture(name: str) -> Architecture:
@@ -50,6 +62,14 @@ def architecture(name: str) -> Architecture:
         return ARCHITECTURES[name]
     except KeyError:
         raise ConfigError([ConfigIssue("model.arch", name, f"must be one of {sorted(ARCHITECTURES)}")]) from None
+
+
+def architecture_for_hf(names: list[str]) -> Architecture:
+    """The architecture serving a config.json whose "architectures" are `names`; KeyError lists the supported."""
+    for name in names:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    raise KeyError(f"architectures {names} is not supported; supported: {sorted(HF_ARCHITECTURES)}")
 
 
 def check_model(model: ModelSpec) -> None:

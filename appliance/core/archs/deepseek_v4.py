@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.core.archs.hf_config import HfConfigError, HfLayout, dtype_of, read
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
+HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")
 
@@ -47,8 +49,25 @@ CONFIG_FIXED = {
 }
 
 YARN_DEFAULTS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32, "beta_slow": 1}
-_LAYER_TYPE_RATIO = {"sliding_attention": None, "compressed_sparse_attention": "compressed_sparse_attention",
-                     "heavily_compressed_attention": "heavily_compressed_attention"}
+HF_LAYER_TYPES = {"sliding_attention": None, "compressed_sparse_attention": "compressed_sparse_attention",
+                  "heavily_compressed_attention": "heavily_compressed_attention"}
+HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+# What transformers' DeepseekV4Config assumes for a config.json key it leaves out (config_view's keys).
+HF_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 64,
+    "index_topk": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
+    "compress_rope_theta": 160000.0, "rope_scaling.factor": None, "rope_scaling.original_max_position_embeddings": None,
+    "rope_scaling.beta_fast": 32.0, "rope_scaling.beta_slow": 1.0, "n_routed_experts": 256, "num_experts_per_tok": 6,
+    "n_shared_experts": 1, "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "quantization_config.weight_block_size": None, "expert_dtype": None,
+}
+SERVING_DEFAULTS = {"block_size": 128, "tokens_in_flight": 256}   # two pipelined 128-token prefill tiles
+MAX_MODEL_LEN_CAP = 16384                                          # full-history groups are sized up to this
+STATE_ROWS_PER_PAGE = 8                                            # compressor-state pages hold min(8, ratio) rows
 
 
 def _rope_view(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -75,12 +94,11 @@ def _rope_view(cfg: dict[str, Any]) -> dict[str, Any]:
 def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json as the flat view CONFIG_KEYS and CONFIG_FIXED read, whichever spelling it uses."""
     view = {k: v for k, v in cfg.items() if not isinstance(v, dict) and k not in ("rope_scaling", "rope_parameters")}
-    n = cfg.get("num_hidden_layers")
-    if isinstance(cfg.get("compress_ratios"), list):
-        view["compress_ratios"] = cfg["compress_ratios"][:n]
-    elif isinstance(cfg.get("layer_types"), list):
-        rates = cfg.get("compress_rates") or {}
-        view["compress_ratios"] = [rates.get(_LAYER_TYPE_RATIO.get(t), 0) for t in cfg["layer_types"]][:n]
+    n = read(cfg, "num_hidden_layers", HF_DEFAULTS["num_hidden_layers"])
+    try:
+        view["compress_ratios"] = hf_compress_ratios(cfg, n, 0)[1]
+    except HfConfigError:
+        pass                               # neither layer_types nor compress_ratios: nothing to check
     if "num_hash_layers" not in cfg and isinstance(cfg.get("mlp_layer_types"), list):
         types = cfg["mlp_layer_types"]
         view["num_hash_layers"] = next((i for i, t in enumerate(types) if t != "hash_moe"), len(types))
@@ -100,6 +118,69 @@ def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         view["quantization_config.weight_block_size"] = None
     return view
+
+
+def hf_compress_ratios(cfg: dict[str, Any], num_layers: int, num_mtp: int) -> tuple[str, list[int]]:
+    """(config.json key, one ratio per main then MTP layer) from layer_types + compress_rates (transformers'
+    defaults 4 and 128 for the ones it leaves out), or the released per-layer compress_ratios list (which may
+    run past the main layers); MTP layers keep only the sliding window (ratio 0) unless listed."""
+    legacy = cfg.get("compress_ratios")
+    if cfg.get("layer_types") is not None:
+        rates = {**HF_COMPRESS_RATES, **(cfg.get("compress_rates") or {})}
+        bad = [t for t in cfg["layer_types"] if t not in HF_LAYER_TYPES]
+        if bad:
+            raise HfConfigError("layer_types", f"unknown layer types {bad}; known: {sorted(HF_LAYER_TYPES)}")
+        main = [rates[t] if HF_LAYER_TYPES[t] else 0 for t in cfg["layer_types"]]
+        key, tail = "layer_types", []
+    elif legacy is not None:
+        main, tail, key = list(legacy[:num_layers]), list(legacy[num_layers:]), "compress_ratios"
+    else:
+        raise HfConfigError("layer_types", "config.json needs layer_types (or the legacy compress_ratios)")
+    if len(main) != num_layers:
+        raise HfConfigError(key, f"has {len(main)} layers, num_hidden_layers is {num_layers}")
+    return key, main + (tail + [0] * num_mtp)[:num_mtp]
+
+
+def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
+    """model.layout from a DeepSeek V4 config.json (released or transformers' spelling, read through config_view;
+    a key it leaves out takes transformers' DeepseekV4Config default)."""
+    view = config_view(cfg)
+    from_file = {key: (file_key, view.get(file_key, HF_DEFAULTS.get(file_key)))
+                 for file_key, key in CONFIG_KEYS.items() if key != "main_layer_ratios"}
+    num_layers, num_mtp = from_file["num_layers"][1], from_file["num_mtp_layers"][1]
+    from_file["compress_ratios"] = hf_compress_ratios(cfg, num_layers, num_mtp)
+    from_file["dtype"] = dtype_of(cfg)
+    cap = min(int(read(cfg, "max_position_embeddings", 1048576)), MAX_MODEL_LEN_CAP)
+    return HfLayout(from_file, {**SERVING_DEFAULTS, "max_model_len_cap": cap})
+
+
+def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
+    """The seven groups of DESIGN.md section 4 from a finished layout (conf/model/dsv4.yaml's for the Flash layout)."""
+    ratios = [r for r in layout["compress_ratios"][: layout["num_layers"]] if r]
+    if len(set(ratios)) != 2:
+        raise HfConfigError("layer_types", f"needs exactly two compress ratios (CSA, HCA), has {sorted(set(ratios))}")
+    csa, hca = min(ratios), max(ratios)
+    block, d, di, dtype = layout["block_size"], layout["head_dim"], layout["index_head_dim"], layout["dtype"]
+
+    def compressed(name: str, ratio: int, row: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "layers": {"compress_ratio": ratio}, "rows_per_block": block // ratio,
+                "tokens_per_row": ratio, "row": row, "history": "full"}
+
+    def state(name: str, ratio: int, width: int) -> dict[str, Any]:
+        return {"name": name, "layers": {"compress_ratio": ratio}, "rows_per_block": min(STATE_ROWS_PER_PAGE, ratio),
+                "row": {"dtype": "float32", "width": width}, "history": "ring", "ring_span": "compress_ratio",
+                "ring_aligned": True}
+
+    return [
+        {"name": "ori", "layers": "all", "rows_per_block": block, "row": {"dtype": dtype, "width": d},
+         "history": "ring", "ring_span": "sliding_window"},
+        compressed(f"cmp_c{hca}", hca, {"dtype": dtype, "width": d}),
+        compressed(f"cmp_c{csa}", csa, {"dtype": dtype, "width": d}),
+        compressed("idx", csa, {"dtype": "int8", "width": di, "extra_bytes": 4}),
+        state("hca_state", hca, 2 * d),
+        state("csa_state", csa, 4 * d),
+        state("csa_inner_state", csa, 4 * di),
+    ]
 
 
 def compress_ratios(layout: Layout) -> tuple[int, int] | None:

@@ -188,3 +188,70 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     usage: Usage
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheGroupUsage(_message.Message):
+    __slots__ = ("name", "total_blocks", "used_blocks", "free_blocks", "usage")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    usage: float
+    def __init__(self, name: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("upper_bounds", "bucket_counts", "count", "sum")
+    UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    upper_bounds: _containers.RepeatedScalarFieldContainer[float]
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    sum: float
+    def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("state", "num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "cache_groups", "time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds")
+    class RequestsFinishedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    E2E_REQUEST_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    num_requests_running: int
+    num_requests_waiting: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    requests_finished: _containers.ScalarMap[str, int]
+    cache_groups: _containers.RepeatedCompositeFieldContainer[CacheGroupUsage]
+    time_to_first_token_seconds: Histogram
+    time_per_output_token_seconds: Histogram
+    e2e_request_latency_seconds: Histogram
+    def __init__(self, state: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., cache_groups: _Optional[_Iterable[_Union[CacheGroupUsage, _Mapping]]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...

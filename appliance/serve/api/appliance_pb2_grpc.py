@@ -44,6 +44,11 @@ class ApplianceStub:
                 request_serializer=appliance_dot_v1_dot_appliance__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=appliance_dot_v1_dot_appliance__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/appliance.v1.Appliance/Stats',
+                request_serializer=appliance_dot_v1_dot_appliance__pb2.StatsRequest.SerializeToString,
+                response_deserializer=appliance_dot_v1_dot_appliance__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class ApplianceServicer:
@@ -66,6 +71,15 @@ class ApplianceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Live figures of the engine: requests running and waiting, token and finish counters, latency
+        histograms, and every cache group's used and free blocks. The same figures as GET /metrics on the
+        HTTP port (Prometheus format). Answers while starting too (state "starting", no groups yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ApplianceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_ApplianceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=appliance_dot_v1_dot_appliance__pb2.GenerateRequest.FromString,
                     response_serializer=appliance_dot_v1_dot_appliance__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=appliance_dot_v1_dot_appliance__pb2.StatsRequest.FromString,
+                    response_serializer=appliance_dot_v1_dot_appliance__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class Appliance:
             '/appliance.v1.Appliance/Generate',
             appliance_dot_v1_dot_appliance__pb2.GenerateRequest.SerializeToString,
             appliance_dot_v1_dot_appliance__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.Appliance/Stats',
+            appliance_dot_v1_dot_appliance__pb2.StatsRequest.SerializeToString,
+            appliance_dot_v1_dot_appliance__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

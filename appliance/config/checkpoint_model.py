@@ -1,0 +1,84 @@
+"""`+model=hf model.weights=DIR`: a model filled from its checkpoint's config.json before validation.
+
+Why in the composer: the filled model then passes every rule a hand-written model YAML passes (layout,
+derived cache groups, the architecture's validator) at `mode=validate`, before any device work. Which
+config.json keys give which layout keys, and which cache groups an architecture needs, is the architecture's
+(appliance/core/archs, `layout_from_hf_config` and `cache_groups_for`); here is only the merge: keys whose
+value is still the `${config_json:}` placeholder of conf/model/hf.yaml are filled, a value given instead that
+disagrees with config.json is an error naming both, and serving defaults fill what config.json does not say.
+
+Why a placeholder rather than `???`: OmegaConf never lets `???` override a schema default, so a layout key
+with a default (rope_theta, dtype, ...) could not tell "not given" from "given the default value".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from appliance.config import schema
+from appliance.core.archs import architecture_for_hf
+from appliance.core.archs.hf_config import HfConfigError, values_agree
+from appliance.core.errors import ConfigIssue
+
+
+def _unset(node: DictConfig, key: str) -> bool:
+    """Still the placeholder (or ???): the composer fills it."""
+    if OmegaConf.is_missing(node, key):
+        return True
+    return OmegaConf.is_interpolation(node, key) and node._get_node(key)._value() == schema.CONFIG_JSON_PLACEHOLDER
+
+
+def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
+    """Fill `model` in place from <model.weights>/config.json; the issues found (nothing is filled past one)."""
+    if OmegaConf.is_missing(model, "weights") or model.weights == "random":
+        return [ConfigIssue("model.weights", None if OmegaConf.is_missing(model, "weights") else model.weights,
+                            "+model=hf serves a checkpoint directory: give model.weights=DIR (with config.json)")]
+    path = Path(model.weights) / "config.json"
+    if not path.is_file():
+        return [ConfigIssue("model.weights", model.weights, f"{path} does not exist: model.weights must be a "
+                                                            f"checkpoint directory with config.json")]
+    try:
+        cfg = json.loads(path.read_text())
+        arch = architecture_for_hf(list(cfg.get("architectures") or []))
+        hf = arch.layout_from_hf_config(cfg)
+    except json.JSONDecodeError as exc:
+        return [ConfigIssue("model.weights", model.weights, f"{path} is not valid JSON: {exc}")]
+    except KeyError as exc:
+        return [ConfigIssue("model.weights", model.weights, f"{path}: {exc.args[0]}")]
+    except HfConfigError as exc:
+        return [ConfigIssue("model.weights", model.weights, f"{path}: {exc}")]
+
+    issues = []
+    if _unset(model, "arch"):
+        model.arch = arch.name
+    elif model.arch != arch.name:
+        issues.append(ConfigIssue("model.arch", model.arch, f"disagrees with {path}: architectures="
+                                                            f"{cfg.get('architectures')} (arch {arch.name})"))
+    if _unset(model, "name"):
+        model.name = Path(model.weights).resolve().name
+    lay = model.layout
+    for key, (file_key, value) in hf.from_file.items():
+        if _unset(lay, key):
+            lay[key] = value
+        elif not values_agree(lay[key], value):
+            given = OmegaConf.to_container(lay[key]) if OmegaConf.is_list(lay[key]) else lay[key]
+            issues.append(ConfigIssue(f"model.layout.{key}", given, f"disagrees with {path}: {file_key}={value!r}"))
+    for key, value in hf.defaults.items():
+        if _unset(lay, key):
+            lay[key] = value
+    schema_defaults = OmegaConf.structured(schema.LayoutConfig)
+    for key in lay:
+        if _unset(lay, key):        # neither config.json nor a serving default: the schema's (??? if none)
+            lay[key] = schema_defaults._get_node(key)._value()
+    if issues:
+        return issues
+    if not model.cache_groups:
+        try:
+            groups = arch.cache_groups_for(OmegaConf.to_container(lay))
+            model.cache_groups = [OmegaConf.merge(OmegaConf.structured(schema.CacheGroupConfig), g) for g in groups]
+        except HfConfigError as exc:
+            return [ConfigIssue("model.weights", model.weights, f"{path}: {exc}")]
+    return []

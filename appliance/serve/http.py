@@ -1,0 +1,327 @@
+"""OpenAI-compatible HTTP front end (FastAPI on uvicorn) in the server's process, on the server's engine.
+
+    POST /v1/completions, POST /v1/chat/completions   (server-sent events when "stream": true)
+    GET  /v1/models, GET /health (200 only while serving), GET /metrics (Prometheus)
+
+Why in-process on the gRPC server's event loop: one engine, one wait queue and one lifecycle for both front
+ends (starting -> serving -> draining), so limits, health and shutdown agree. The same rules as gRPC: the
+bearer token (server.auth_token) on everything but /health, TLS from server.tls_cert_file/tls_key_file,
+and the engine's own request validation. Errors are OpenAI-style JSON: 400 naming the field, 401, 404 for
+another model, 429 when the wait queue is full, 503 while starting or draining. A client that disconnects
+(streaming or not) aborts its request, which frees its blocks within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import socket
+import time
+import uuid
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, Iterator, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.errors import ConfigError, ConfigIssue
+from appliance.core.logs import REQUEST_ID
+from appliance.core.request import (
+    EngineUnavailableError,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+from appliance.serve.auth import bearer_token_matches
+from appliance.serve.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from appliance.serve.metrics import metrics_registry, render
+from appliance.serve.openai_api import (
+    REQUEST_FIELDS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    finish_reason,
+    invalid,
+)
+from appliance.serve.streams import RequestStream, open_stream
+
+
+class ServingState(Protocol):
+    """What the HTTP front end reads from the server it runs beside (appliance.serve.server.ApplianceServer)."""
+
+    rc: RuntimeConfig
+    engine: Any                 # the Engine, or a stand-in with its interface
+    executor: Executor          # runs engine.submit off the event loop
+    state: str                  # starting | serving | draining | stopped
+
+
+log = logging.getLogger("appliance.serve.http")
+OPEN_PATHS = ("/health",)                  # answered without a token so that probes work
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class OpenAIRoutes:
+    """The handlers, reading the server's state, engine and executor through `server`."""
+
+    def __init__(self, server: ServingState, chat_template: ChatTemplate | None):
+        self.server = server
+        self.model = server.rc.model.name
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    # -- shared --------------------------------------------------------------------------------------
+    def _check_serving(self, model: str | None) -> None:
+        state = self.server.state
+        if state != "serving":
+            raise ApiError(503, f"the engine is {state}; retry when GET /health answers 200",
+                           type_="service_unavailable")
+        if model is not None and model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model!r}",
+                           type_="not_found_error", param="model", code="model_not_found")
+
+    async def _open(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    prompt_field: str) -> RequestStream:
+        srv = self.server
+        try:
+            return await open_stream(srv.engine, srv.executor, request_id, prompt, params)
+        except RequestError as exc:
+            field = exc.field.removeprefix("sampling.")
+            field = prompt_field if field in ("prompt", "prompt_token_ids") else REQUEST_FIELDS.get(field, field)
+            raise ApiError(400, str(exc).replace(exc.field, field, 1), param=field) from None
+        except QueueFullError as exc:
+            raise ApiError(429, f"wait queue full: {exc}; retry later", type_="rate_limit_error") from None
+        except EngineUnavailableError as exc:
+            raise ApiError(503, f"engine unavailable: {exc}", type_="service_unavailable") from None
+
+    async def _respond(self, http: Request, stream: RequestStream, shape: ResponseShape, body: Any) -> Response:
+        if body.stream:
+            return StreamingResponse(self._events(stream, shape, body.include_usage),
+                                     media_type="text/event-stream", headers={"x-request-id": shape.id})
+        collect = asyncio.ensure_future(self._collect(stream))
+        gone = asyncio.ensure_future(_until_disconnected(http))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():          # the client went away (or the server stops): free the blocks
+                collect.cancel()
+                stream.abort()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        text, last = collect.result()
+        self._log_finished(last)
+        if last.error is not None:
+            raise ApiError(500, f"the request failed inside the engine: {last.error}", type_="server_error")
+        return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
+
+    @staticmethod
+    async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
+        parts = []
+        while True:
+            out = await stream.next_output()
+            parts.append(out.new_text)
+            if out.finished or out.error is not None:
+                return "".join(parts), out
+
+    async def _events(self, stream: RequestStream, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+        finished = False
+        try:
+            if shape.kind == "chat":
+                yield _sse(shape.chunk("", None, include_usage, role=True))
+            while not finished:
+                out = await stream.next_output()
+                finished = out.finished or out.error is not None
+                if out.new_text:
+                    yield _sse(shape.chunk(out.new_text, None, include_usage))
+                if out.error is not None:
+                    yield _sse(ApiError(500, f"the request failed inside the engine: {out.error}",
+                                        type_="server_error").body())
+                elif finished:
+                    yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage))
+                    if include_usage:
+                        yield _sse(shape.usage_chunk(out.usage))
+                if finished:
+                    self._log_finished(out)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:      # the client disconnected (the response task was cancelled): free the blocks
+                stream.abort()
+
+    @staticmethod
+    def _log_finished(out: RequestOutput) -> None:
+        usage = out.usage
+        log.info("request finished: %s, %d prompt + %d completion tokens (%d cached)%s",
+                 out.finish_reason.value if out.finish_reason else "error",
+                 usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
+                 usage.cached_prompt_tokens if usage else 0, f"; error: {out.error}" if out.error else "")
+
+    # -- routes ----------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        self._check_serving(body.model)
+        request_id = _request_id(http)
+        prompt = body.single_prompt()
+        params = body.sampling_params(default_max_tokens=16)
+        stream = await self._open(request_id, prompt, params, "prompt")
+        return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body)
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self._check_serving(body.model)
+        request_id = _request_id(http)
+        if self.chat_template is None:
+            raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
+                                      f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
+        if not body.messages:
+            raise invalid("messages", "must not be empty")
+        try:
+            text = self.chat_template.render([m.template_value() for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                                             **body.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise invalid("messages", str(exc)) from None
+        srv = self.server
+        ids = await asyncio.get_running_loop().run_in_executor(srv.executor, srv.engine.tokenizer.encode, text)
+        max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
+        if max_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        stream = await self._open(request_id, ids, params, "messages")
+        return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
+                                            "owned_by": "appliance", "max_model_len": self.server.rc.max_model_len}]}
+
+    async def health(self) -> Response:
+        state = self.server.state
+        return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
+
+
+def _request_id(http: Request) -> str:
+    """The client's x-request-id, else a fresh one; set for the logs of this request."""
+    request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
+    REQUEST_ID.set(request_id)
+    return request_id
+
+
+async def _until_disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(server: ServingState, chat_template: ChatTemplate | None) -> FastAPI:
+    routes = OpenAIRoutes(server, chat_template)
+    token = server.rc.server.auth_token
+    registry = metrics_registry(server.engine.stats, routes.model)
+    app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def authenticate(http: Request, call_next):
+        if token and http.url.path not in OPEN_PATHS \
+                and not bearer_token_matches(http.headers.get("authorization"), token):
+            err = ApiError(401, "missing or wrong bearer token (send the header Authorization: Bearer <token>)",
+                           type_="authentication_error", code="invalid_api_key")
+            return JSONResponse(err.body(), status_code=401, headers={"www-authenticate": "Bearer"})
+        return await call_next(http)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        return await api_error(_, ApiError(400, f"{param or 'body'}: {first.get('msg')}", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return await api_error(_, ApiError(exc.status_code, str(exc.detail), type_="not_found_error"
+                                           if exc.status_code == 404 else "invalid_request_error"))
+
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    app.get("/v1/models")(routes.models)
+    app.get("/health")(routes.health)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+class HttpBindError(OSError):
+    """server.host:server.http_port cannot be bound."""
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn on the gRPC server's event loop. The appliance owns SIGTERM/SIGINT (drain first, then stop both
+    front ends), so uvicorn must not install its own signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpFrontEnd:
+    """uvicorn serving the app on a socket bound here (so a busy port is an error we word, not uvicorn's exit)."""
+
+    def __init__(self, server: ServingState):
+        self.server = server
+        self.port: int | None = None
+        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._socket: socket.socket | None = None
+        self._main: asyncio.Future | None = None
+
+    async def start(self, grace_s: float) -> int:
+        srv = self.server.rc.server
+        host = srv.host.strip("[]")
+        try:
+            sock = socket.create_server((host, srv.http_port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as exc:
+            raise HttpBindError(f"cannot listen on server.host:server.http_port {srv.host}:{srv.http_port}: {exc.strerror}"
+                                f" (the port is in use or the host is not an address of this machine; "
+                                f"server.http_port=null disables HTTP)") from None
+        try:
+            try:
+                chat_template = load_chat_template(self.server.rc.model)
+            except ChatTemplateError as exc:      # a startup fault like a bad config: exit 2, naming the file
+                raise ConfigError([ConfigIssue("model.weights", self.server.rc.model.weights, str(exc))]) from None
+            config = uvicorn.Config(create_app(self.server, chat_template),
+                                    lifespan="off", log_config=None, access_log=False,
+                                    ssl_certfile=srv.tls_cert_file, ssl_keyfile=srv.tls_key_file,
+                                    timeout_graceful_shutdown=max(grace_s, 0.1))
+            self._socket, self._uvicorn = sock, _EmbeddedUvicorn(config)
+            self._main = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+            while not self._uvicorn.started and not self._main.done():
+                await asyncio.sleep(0.005)
+            if self._main.done():
+                self._main.result()          # raises what stopped uvicorn during its startup
+                raise RuntimeError("the HTTP server stopped during its startup")
+        except BaseException:
+            sock.close()
+            self._uvicorn = None
+            raise
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._uvicorn is None:
+            return
+        self._uvicorn.should_exit = True
+        await self._main
+        self._uvicorn = None

@@ -1,0 +1,195 @@
+"""The OpenAI API's request and response shapes, and their translation to and from the engine's types.
+
+Requests are pydantic models (FastAPI validates the JSON against them; unknown fields are ignored, as
+OpenAI-compatible servers do); responses are plain dicts in the documented OpenAI shapes. Parameters the
+engine cannot honour (n > 1, logprobs, penalties, logit_bias, echo) are refused with a 400 naming the field
+rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
+
+# Engine finish reasons as OpenAI spells them ("abort": the server aborted the request, e.g. while draining).
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
+                  FinishReason.ABORTED: "abort"}
+# Engine field names (RequestError.field) -> the OpenAI request field a client sent.
+REQUEST_FIELDS = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type and the request field (param) it is about."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 or -1: no top-k cut
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise invalid("n", f"{self.n}: this server returns one choice per request (n=1)")
+        if self.logprobs not in (None, False, 0):
+            raise invalid("logprobs", "log probabilities are not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise invalid(name, "penalties are not supported (send 0)")
+        if self.logit_bias:
+            raise invalid("logit_bias", "logit_bias is not supported")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.refuse_unsupported()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+            seed=self.seed, stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); a batch of several prompts is refused."""
+        if self.echo:
+            raise invalid("echo", "echo is not supported")
+        if self.suffix:
+            raise invalid("suffix", "suffix is not supported")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise invalid("prompt", f"a batch of {len(p)} prompts: send one prompt per request")
+            p = p[0]
+        return p
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_value(self) -> dict[str, Any]:
+        """The message as chat templates read it; content parts of type text are joined."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise invalid("messages", "only text content parts are supported")
+            content = "".join(part.get("text", "") for part in content)
+        value = {"role": self.role, "content": content or ""}
+        if self.name:
+            value["name"] = self.name
+        return value
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ---------------------------------------------------------------------------------------
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return FINISH_REASONS[FinishReason(out.finish_reason)] if out.finish_reason is not None else None
+
+
+class ResponseShape:
+    """What differs between completions and chat: object names and how a choice carries its text."""
+
+    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, reason: str | None, usage: Usage | None) -> dict[str, Any]:
+        """The non-streaming response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            body = self._envelope("text_completion",
+                                  [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False) -> dict[str, Any]:
+        """One streamed chunk; with include_usage every chunk but the last carries usage null."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            body = self._envelope("chat.completion.chunk",
+                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+        else:
+            body = self._envelope("text_completion",
+                                  [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        """The last chunk of a stream with include_usage: no choices, the request's usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage_body(usage)}

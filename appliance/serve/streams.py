@@ -1,0 +1,59 @@
+"""One request as the front ends see it on the event loop: submit to the engine, then await its deltas.
+
+Shared by the gRPC and the HTTP front end, so both submit, stream and cancel the same way. Why this shape:
+the engine calls `on_output` on its loop thread; the delta is handed to the event loop with
+call_soon_threadsafe, so one open stream costs one asyncio.Queue and no thread. `submit` may block (it
+tokenizes), so it runs on an executor; a client that goes away meanwhile still gets its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import Any
+
+from appliance.core.request import RequestOutput, SamplingParams
+
+
+def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
+    """Merge deltas that queued up while the stream was busy: one message instead of many when the client or
+    the event loop falls behind the engine (the concatenation of deltas stays the same)."""
+    while not out.finished and out.error is None and not queue.empty():
+        nxt = queue.get_nowait()
+        out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
+                            nxt.finish_reason, nxt.usage, nxt.error)
+    return out
+
+
+class RequestStream:
+    """A submitted request: `await next_output()` until one is finished; `abort()` frees its blocks."""
+
+    def __init__(self, handle: Any, queue: asyncio.Queue):
+        self.handle = handle
+        self._queue = queue
+
+    async def next_output(self) -> RequestOutput:
+        """The next delta, merged with any that queued up behind it."""
+        return coalesce(await self._queue.get(), self._queue)
+
+    def abort(self) -> None:
+        self.handle.abort()
+
+
+async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: str | list[int],
+                      params: SamplingParams) -> RequestStream:
+    """engine.submit off the event loop. Raises what submit raises (RequestError, QueueFullError,
+    EngineUnavailableError); a cancel while submitting aborts the request as soon as it exists."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def on_output(out: RequestOutput) -> None:        # engine thread
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    submit = loop.run_in_executor(executor, engine.submit, request_id, prompt, params, on_output)
+    try:
+        handle = await asyncio.shield(submit)
+    except asyncio.CancelledError:
+        submit.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
+        raise
+    return RequestStream(handle, queue)

@@ -1,0 +1,134 @@
+"""`+model=hf model.weights=DIR`: the model from the checkpoint's config.json (Qwen3 as transformers writes it,
+DeepSeek V4 in transformers' DeepseekV4Config format): the same layout and cache groups as the hand-written
+model YAMLs, disagreements naming both values, unknown architectures listing the supported ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from appliance.config.compose import load_runtime_config
+from appliance.core.archs import HF_ARCHITECTURES
+from appliance.core.errors import ConfigError
+from npu.checkpoint import write_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+def differing_fields(a, b) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    rc = load_runtime_config(["+model=qwen3_tiny"])
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), rc.model, seed=1), rc
+
+
+def test_qwen3_checkpoint_gives_the_yaml_layout_and_groups(qwen3_dir):
+    path, yaml_rc = qwen3_dir
+    rc = load_runtime_config(["+model=hf", f"model.weights={path}"])
+    assert rc.model.arch == "qwen3" and rc.model.name == path.name and rc.model.weights == str(path)
+    assert rc.model.layout == yaml_rc.model.layout and rc.model.cache_groups == yaml_rc.model.cache_groups
+
+
+def test_transformers_written_qwen3_config(tmp_path):
+    """transformers 5 writes rope_parameters and dtype; a YAML value for a config-free key is kept."""
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=4096, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 5e5},
+                                      dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    rc = load_runtime_config(["+model=hf", f"model.weights={tmp_path}", "model.layout.block_size=32"])
+    lay = rc.model.layout
+    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.intermediate_size, lay.rope_theta, lay.dtype,
+            lay.max_model_len_cap, lay.block_size) == (3, 1, 32, 96, 5e5, "bfloat16", 4096, 32)
+    [kv] = rc.model.cache_groups
+    assert (kv.name, kv.rows_per_block, kv.row_width, kv.row_dtype) == ("kv", 32, 2 * 1 * 32, "bfloat16")
+
+
+def test_yaml_values_that_disagree_name_both(qwen3_dir):
+    path, _ = qwen3_dir
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={path}", "model.layout.num_layers=3",
+                             "model.layout.rope_theta=10000", "model.arch=deepseek_v4"])
+    text = str(info.value)
+    assert "model.layout.num_layers = 3: disagrees with" in text and "num_hidden_layers=2" in text
+    assert "model.layout.rope_theta = 10000.0: disagrees with" in text and "rope_theta=1000000.0" in text
+    assert "model.arch = 'deepseek_v4': disagrees with" in text and "Qwen3ForCausalLM" in text
+    # A value that agrees is fine.
+    load_runtime_config(["+model=hf", f"model.weights={path}", "model.layout.num_layers=2"])
+
+
+def test_unknown_architecture_lists_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    assert "['LlamaForCausalLM'] is not supported" in str(info.value)
+    assert str(sorted(HF_ARCHITECTURES)) in str(info.value)
+    assert sorted(HF_ARCHITECTURES) == ["DeepseekV4ForCausalLM", "Qwen3ForCausalLM"]
+
+
+@pytest.mark.parametrize("config, message", [
+    (None, "does not exist"),
+    ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling: {'rope_type': 'yarn', 'factor': 4.0} is not supported"),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 3}, "needs layer_types"),
+])
+def test_bad_checkpoint_configs_are_config_errors(tmp_path, config, message):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model.weights") as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    assert message in str(info.value)
+    with pytest.raises(ConfigError, match="give model.weights=DIR"):
+        load_runtime_config(["+model=hf"])
+
+
+def test_deepseek_v4_flash_config_gives_the_dsv4_yaml_groups(tmp_path):
+    """transformers' DeepseekV4Config for the Flash layout as released (YaRN, FP8 linears, FP4 experts) ->
+    exactly conf/model/dsv4.yaml's layout and seven cache groups."""
+    flash = load_runtime_config(["+model=dsv4", "device=ascend_a3", "mode=validate", "max_model_len=8192"])
+    main_ratios = list(flash.model.layout.compress_ratios[:flash.model.layout.num_layers])
+    transformers.DeepseekV4Config(
+        compress_ratios=main_ratios, dtype="bfloat16", architectures=["DeepseekV4ForCausalLM"], expert_dtype="fp4",
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1},
+        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}).save_pretrained(tmp_path)
+    rc = load_runtime_config(["+model=hf", f"model.weights={tmp_path}", "device=ascend_a3", "mode=validate",
+                              "max_model_len=8192"])
+    assert rc.model.arch == "deepseek_v4"
+    assert rc.model.cache_groups == flash.model.cache_groups
+    assert differing_fields(rc.model.layout, flash.model.layout) == set()
+
+
+def test_tiny_deepseek_v4_config_with_layer_types_validates(tmp_path, cli):
+    layer_types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                   "compressed_sparse_attention", "heavily_compressed_attention"]
+    transformers.DeepseekV4Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, head_dim=32, q_lora_rank=32,
+        moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, sliding_window=16, index_n_heads=2,
+        index_head_dim=16, index_topk=8, layer_types=layer_types, dtype="float32",
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        architectures=["DeepseekV4ForCausalLM"]).save_pretrained(tmp_path)
+    rc = load_runtime_config(["+model=hf", f"model.weights={tmp_path}", "model.layout.block_size=16",
+                              "model.layout.tokens_in_flight=32", "max_model_len=256"])
+    tiny = load_runtime_config(["+model=dsv4_tiny", "max_model_len=256"])
+    assert rc.model.layout.compress_ratios == tiny.model.layout.compress_ratios
+    same = {g.name for g in rc.model.cache_groups} & {g.name for g in tiny.model.cache_groups}
+    assert same == {g.name for g in tiny.model.cache_groups}
+    result = cli("+model=hf", f"model.weights={tmp_path}", "model.layout.block_size=16", "mode=validate",
+                 "model.layout.tokens_in_flight=32", "max_model_len=256")
+    assert result.returncode == 0, result.stderr
+    assert "cmp_c16" in result.stdout and "csa_inner_state" in result.stdout
+
+
+def test_cli_disagreement_exits_2(qwen3_dir, cli):
+    path, _ = qwen3_dir
+    result = cli("+model=hf", f"model.weights={path}", "model.layout.head_dim=8", "mode=validate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.layout.head_dim = 8: disagrees with" in result.stderr and "head_dim=16" in result.stderr
