@@ -30,6 +30,7 @@ import torch
 from appliance.core.archs.deepseek_v4 import STATE_GROUPS, compress_ratios
 from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, model_weights, scale_name
 from appliance.core.config import ModelSpec
+from appliance.core.errors import CheckpointError
 from npu.dsv4.attention import Attention, rms_norm
 from npu.dsv4.hyper import hc_head, hc_post, hc_pre
 from npu.dsv4.moe import route, routed_experts, swiglu
@@ -74,7 +75,7 @@ class DeepseekV4Runner(ModelRunner):
         lay = self.model.layout
         for name, table in state.items():
             if name.endswith(".tid2eid") and table.device.type != "meta":
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
                 picks = torch.rand(lay.vocab_size, lay.num_experts, generator=gen).argsort(dim=-1)
                 state[name] = picks[:, :lay.num_experts_per_tok].to(table.dtype).to(table.device)
         return state
@@ -90,6 +91,9 @@ class DeepseekV4Runner(ModelRunner):
                 held[w.name] = QuantizedWeight(w.name, t, scale, lay.quant_block_size or 0).check()
             elif w.format == "int32":
                 held[w.name] = t.long()
+                if t.device.type != "meta" and t.numel() and not 0 <= int(t.min()) <= int(t.max()) < lay.num_experts:
+                    raise CheckpointError(f"{w.name}: expert ids {int(t.min())}..{int(t.max())} outside "
+                                          f"[0, {lay.num_experts}) (model.layout.num_experts)")
             elif w.format == "float32" or is_norm_weight(w.name):
                 held[w.name] = t.float()
             else:

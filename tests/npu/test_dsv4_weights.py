@@ -63,6 +63,15 @@ def test_scale_byte_0xff_is_an_error_naming_the_tensor():
         QuantizedWeight("layers.3.attn.wq_a.weight", values, bad.view(torch.float8_e8m0fnu), 128).check()
 
 
+def test_hash_table_naming_a_missing_expert_is_an_error():
+    m = load_runtime_config([]).model
+    runner = DeepseekV4Runner(m, "cpu")
+    state = runner.random_weights(0, device="cpu")
+    state["layers.0.ffn.gate.tid2eid"][5, 1] = m.layout.num_experts
+    with pytest.raises(CheckpointError, match=r"layers\.0\.ffn\.gate\.tid2eid: expert ids 0\.\.8 outside \[0, 8\)"):
+        runner.set_weights(state)
+
+
 def quantized_tiny():
     m = load_runtime_config(["model.layout.quant_block_size=32", "model.layout.expert_dtype=fp4", "+model=dsv4_tiny"])
     return m.model
