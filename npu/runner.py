@@ -24,7 +24,7 @@ from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from npu.step import StepBatch
-from npu.weights import load_state_dict, random_state_dict
+from npu.weights import as_expected_dtype, load_state_dict, random_state_dict
 
 
 def contiguous_runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -57,16 +57,22 @@ class ModelRunner(ABC):
     def load_weights(self) -> None:
         """Load model.weights (a checkpoint directory, its config.json checked first) or make seeded random
         weights ("random"), then set them."""
-        expected = self.expected_weights()
         if self.model.weights == "random":
-            state = random_state_dict(expected, self.model.weights_seed, self.device)
+            state = self.random_weights(self.model.weights_seed)
         else:
             check_checkpoint_config(self.model.weights, self.model)
-            state = load_state_dict(self.model.weights, expected, self.device)
+            state = load_state_dict(self.model.weights, self.expected_weights(), self.device)
         self.set_weights(state)
 
+    def random_weights(self, seed: int, std: float = 0.02, device: torch.device | str | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """Seeded random expected_weights() (on `device`, default the runner's): what `weights: random` serves
+        and what tiny checkpoints hold. Runners override it where a tensor needs more than random values."""
+        return random_state_dict(self.expected_weights(), seed, device or self.device, std)
+
     def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast)."""
+        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast; the bytes of
+        a quantized format stored as uint8 are reinterpreted, see npu.weights.as_expected_dtype)."""
         expected = self.expected_weights()
         missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or extra:
@@ -74,7 +80,7 @@ class ModelRunner(ABC):
         for name, (shape, _) in expected.items():
             if tuple(state[name].shape) != tuple(shape):
                 raise CheckpointError(f"weight {name!r}: expected shape {list(shape)}, got {list(state[name].shape)}")
-        self.install_weights({n: t.to(device=self.device, dtype=expected[n][1]) for n, t in state.items()})
+        self.install_weights({n: as_expected_dtype(t, expected[n][1]).to(self.device) for n, t in state.items()})
 
     @abstractmethod
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ so a checkpoint with a missing, extra or misshapen tensor fails once, naming eve
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from pathlib import Path
 from typing import Mapping
@@ -23,6 +24,27 @@ log = logging.getLogger("npu.weights")
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 RANDN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)   # dtypes torch.randn samples in
 PROGRESS_DELAY_S = 1.0
+
+# One-byte formats of quantized checkpoints. A converter may store their bytes as uint8 / int8: those are
+# reinterpreted, never converted numerically (which would turn the byte 0x38 into the value 56.0).
+RAW_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+RAW_BYTE_DTYPES = (torch.uint8, torch.int8)
+
+
+def as_expected_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`: the bytes of a quantized format stored as uint8 / int8 by reinterpreting, others by casting."""
+    if t.dtype == dtype:
+        return t
+    if dtype in RAW_DTYPES and t.dtype in RAW_BYTE_DTYPES:
+        return t.view(dtype)
+    return t.to(dtype)
+
+
+def _fp4_dtype_problems(expected: Expected, dtypes: Mapping[str, str]) -> list[str]:
+    """FP4 tensors stored as anything but FP4 or its bytes (headers only): no cast makes two e2m1 per byte."""
+    return [f"  wrong dtype {name}: stored {dtypes[name]}, expected F4 (or its bytes as U8)"
+            for name, (_, dtype) in expected.items()
+            if dtype == torch.float4_e2m1fn_x2 and name in dtypes and dtypes[name] not in ("F4", "U8", "I8")]
 
 
 def _mismatch_report(where: str, expected: Expected, found: Mapping[str, TensorHeader]) -> str | None:
@@ -53,8 +75,8 @@ def check_checkpoint_tensors(checkpoint_dir: str | Path, expected: Expected) -> 
 
 
 def non_finite_values(t: torch.Tensor) -> int:
-    """How many NaN or inf values a tensor holds (0 for integer tensors)."""
-    if not t.is_floating_point():
+    """How many NaN or inf values a tensor holds (0 for integer tensors and FP4, which encodes neither)."""
+    if not t.is_floating_point() or t.dtype == torch.float4_e2m1fn_x2:
         return 0
     if t.element_size() == 1:      # float8: isfinite has no kernel; bfloat16 holds every float8 value exactly
         t = t.to(torch.bfloat16)
@@ -73,6 +95,11 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
     from safetensors import safe_open
 
     headers = check_checkpoint_tensors(checkpoint_dir, expected)
+    wrong = _fp4_dtype_problems(expected, {name: h.dtype for name, h in headers.items()})
+    if wrong:
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {len(wrong)} FP4 tensor(s) in the wrong dtype\n"
+                              + "\n".join(wrong) + "\nFix: store FP4 experts as F4 (or their bytes as U8), "
+                              "two values per byte, low nibble first")
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     files = sorted({h.file for h in headers.values()})
@@ -81,7 +108,7 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
-                t = f.get_tensor(name).to(device=device, dtype=expected[name][1], copy=True)
+                t = as_expected_dtype(f.get_tensor(name), expected[name][1]).to(device=device, copy=True)
                 bad = non_finite_values(t)
                 if bad:
                     raise CheckpointError(
@@ -113,9 +140,27 @@ def is_norm_bias(name: str) -> bool:
     return parts[-1] == "bias" and len(parts) > 1 and "norm" in parts[-2]
 
 
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected, seed: int,
+                   std: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    if dtype == torch.float8_e8m0fnu:       # block scales: 1, or about std for FP4 values (which reach 6)
+        values = expected.get(name.removesuffix(".scale") + ".weight", ((), None))[1]
+        exponent = round(math.log2(std)) if values == torch.float4_e2m1fn_x2 else 0
+        return torch.full(shape, 127 + exponent, dtype=torch.uint8).view(dtype)
+    if dtype == torch.float4_e2m1fn_x2:     # random e2m1 codes, two per byte
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+    if is_norm_weight(name):
+        return torch.ones(shape, dtype=dtype)
+    if dtype.is_floating_point and not is_norm_bias(name):
+        sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
+        return torch.randn(shape, generator=gen, dtype=sample_dtype).mul_(std).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
                       std: float = 0.02, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0.
+    """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0; quantized formats get
+    random values with scales of about std. On the meta device: shapes and dtypes only, no memory.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
     other tensors the model has or the order they are listed in. Tensors are made one at a time in their
@@ -123,19 +168,12 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     the host never holds more than one tensor beyond the ones already placed: never a float32 copy of a model.
     """
     device = torch.device(device)
+    if device.type == "meta":
+        return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in expected.items()}
     out: dict[str, torch.Tensor] = {}
     bar = progress_bar(len(expected), "making random weights", progress)
-    for name in sorted(expected):
+    for name, (shape, dtype) in sorted(expected.items()):
         bar.update(1)
-        shape, dtype = expected[name]
-        if is_norm_weight(name):
-            t = torch.ones(shape, dtype=dtype)
-        elif dtype.is_floating_point and not is_norm_bias(name):
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-            sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
-            t = torch.randn(shape, generator=gen, dtype=sample_dtype).mul_(std)
-        else:
-            t = torch.zeros(shape, dtype=dtype)
-        out[name] = t.to(device=device, dtype=dtype)
+        out[name] = _random_tensor(name, tuple(shape), dtype, expected, seed, std).to(device)
     bar.close()
     return out

@@ -325,12 +325,12 @@ def _check_layout(c: _Checker, model: DictConfig) -> None:
     c.one_of("model.arch", model.arch, tuple(sorted(ARCHITECTURES)))
     lay = model.layout
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                "block_size", "intermediate_size", "max_model_len_cap"):
+                "block_size", "max_model_len_cap"):
         c.positive_int(f"model.layout.{key}", lay[key])
+    c.positive_int("model.layout.intermediate_size", lay.intermediate_size, optional=True)
     c.positive_int("model.max_decode_batch", model.max_decode_batch)
     c.positive_int("model.max_num_seqs", model.max_num_seqs)
     c.dtype("model.layout.dtype", lay.dtype)
-    c.dtype("model.layout.expert_dtype", lay.expert_dtype, optional=True)
     if isinstance(lay.num_heads, int) and isinstance(lay.num_kv_heads, int) and lay.num_kv_heads > 0:
         c.check(lay.num_heads % lay.num_kv_heads == 0, "model.layout.num_kv_heads", lay.num_kv_heads,
                 f"must divide model.layout.num_heads ({lay.num_heads})")

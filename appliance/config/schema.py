@@ -23,7 +23,7 @@ class LayoutConfig:
     head_dim: int = MISSING
     vocab_size: int = MISSING
     block_size: int = MISSING              # tokens per KV-cache block
-    intermediate_size: int = MISSING       # dense MLP width
+    intermediate_size: Optional[int] = None   # dense MLP width (qwen3 needs it; deepseek_v4 is MoE in every layer)
     max_model_len_cap: int = MISSING       # longest sequence the layout supports
     dtype: str = "bfloat16"                # activations and dense weights
     rms_norm_eps: float = 1e-6
@@ -37,12 +37,28 @@ class LayoutConfig:
     index_num_heads: Optional[int] = None
     index_topk: Optional[int] = None
     tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None      # queries: wq_a to this rank, q_norm, then wq_b
+    qk_rope_head_dim: Optional[int] = None    # trailing channels of a head that RoPE rotates (interleaved pairs)
+    o_groups: Optional[int] = None         # grouped output projection: head groups (wo_a per group, then wo_b)
+    o_lora_rank: Optional[int] = None      # ... and the width each group is projected to
+    compress_rope_theta: Optional[float] = None   # RoPE base of compressed layers (window-only layers: rope_theta)
+    yarn_factor: Optional[float] = None    # YaRN of the compressed layers' RoPE (config.json rope_scaling); null: none
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
     num_experts_per_tok: int = 0
     num_shared_experts: int = 0
     moe_intermediate_size: Optional[int] = None
-    expert_dtype: Optional[str] = None     # dtype of expert weights (e.g. float8_e4m3fn)
+    num_hash_layers: int = 0               # the first layers route by a fixed table tid2eid[token]
+    scoring_func: str = "sqrtsoftplus"     # router scores of the experts
+    routed_scaling_factor: float = 1.0     # routed weights are renormalized, then scaled by this
+    swiglu_limit: Optional[float] = None   # experts clamp their gate (above) and up (both sides) to this
+    hc_mult: Optional[int] = None          # hyper-connections: residual streams
+    hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
+    hc_eps: float = 1e-6
+    quant_block_size: Optional[int] = None    # checkpoint linears in FP8 e4m3 with [b, b] ue8m0 block scales
+    expert_dtype: Optional[str] = None     # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null
 
 
 @dataclass

@@ -14,8 +14,8 @@ from appliance.core.errors import CheckpointError
 def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> None:
     """config.json must describe the same layout as model.layout: one error naming every disagreeing key.
 
-    Which config.json keys map to which layout keys is the architecture's (appliance.core.archs); keys the
-    file leaves out are not checked.
+    Which config.json keys map to which layout keys is the architecture's (appliance.core.archs: its view of the
+    file, the keys and the values it only supports); keys the file leaves out are not checked.
     """
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
@@ -29,9 +29,12 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
     if not isinstance(cfg, dict):
         raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {type(cfg).__name__}, not an object. "
                               f"Fix: restore the checkpoint's config.json")
+    arch = architecture(model.arch)
+    cfg = arch.config_view(cfg)
     lay = model.layout
-    bad = []
-    for file_key, key in architecture(model.arch).config_keys.items():
+    bad = [f"config.json {key}={cfg[key]!r} is not supported (only {value!r})"
+           for key, value in arch.config_fixed.items() if key in cfg and cfg[key] != value]
+    for file_key, key in arch.config_keys.items():
         if file_key not in cfg:
             continue
         mine, theirs = getattr(lay, key), cfg[file_key]

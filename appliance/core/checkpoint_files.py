@@ -25,6 +25,14 @@ class TensorHeader:
     file: Path
 
 
+def stored_shape(shape: list[int], dtype: str) -> tuple[int, ...]:
+    """A tensor's shape as torch holds it: safetensors counts F4 in 4-bit values, torch packs two per byte
+    (float4_e2m1fn_x2), so the last dimension halves."""
+    if dtype == "F4":
+        return (*shape[:-1], shape[-1] // 2)
+    return tuple(shape)
+
+
 def checkpoint_dir(weights: str | Path) -> Path:
     """The directory model.weights names; a missing one is reported as such (not as a missing file inside it)."""
     root = Path(weights)
@@ -63,7 +71,8 @@ def read_tensor_headers(weights: str | Path) -> dict[str, TensorHeader]:
                     piece = f.get_slice(name)
                     if name in found:
                         duplicates.append(f"{name} (in {found[name].file.name} and {path.name})")
-                    found[name] = TensorHeader(tuple(piece.get_shape()), piece.get_dtype(), path)
+                    found[name] = TensorHeader(stored_shape(piece.get_shape(), piece.get_dtype()), piece.get_dtype(),
+                                               path)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} ({size:,} bytes) is not a readable safetensors file: {exc}. "

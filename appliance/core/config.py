@@ -25,7 +25,7 @@ class Layout:
     head_dim: int
     vocab_size: int
     block_size: int                        # tokens per KV-cache block
-    intermediate_size: int                 # dense MLP width
+    intermediate_size: int | None = None   # dense MLP width (qwen3 needs it; deepseek_v4 is MoE in every layer)
     max_model_len_cap: int                 # longest sequence the layout supports
     dtype: str = "bfloat16"                # activations and dense weights
     rms_norm_eps: float = 1e-6
@@ -39,12 +39,33 @@ class Layout:
     index_num_heads: int | None = None
     index_topk: int | None = None
     tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
-    q_lora_rank: int | None = None
+    q_lora_rank: int | None = None         # queries: wq_a to this rank, q_norm, then wq_b
+    qk_rope_head_dim: int | None = None    # trailing channels of a head that RoPE rotates (interleaved pairs)
+    o_groups: int | None = None            # grouped output projection: head groups (wo_a per group, then wo_b)
+    o_lora_rank: int | None = None         # ... and the width each group is projected to
+    compress_rope_theta: float | None = None   # RoPE base of compressed layers (window-only layers: rope_theta)
+    yarn_factor: float | None = None       # YaRN of the compressed layers' RoPE (config.json rope_scaling); null: none
+    yarn_original_max_position_embeddings: int | None = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
     num_experts_per_tok: int = 0
     num_shared_experts: int = 0
     moe_intermediate_size: int | None = None
-    expert_dtype: str | None = None        # dtype of expert weights (e.g. float8_e4m3fn)
+    num_hash_layers: int = 0               # the first layers route by a fixed table tid2eid[token]
+    scoring_func: str = "sqrtsoftplus"     # router scores of the experts
+    routed_scaling_factor: float = 1.0     # routed weights are renormalized, then scaled by this
+    swiglu_limit: float | None = None      # experts clamp their gate (above) and up (both sides) to this
+    hc_mult: int | None = None             # hyper-connections: residual streams
+    hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
+    hc_eps: float = 1e-6
+    quant_block_size: int | None = None    # checkpoint linears FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
+    expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null: dtype
+
+    @property
+    def main_layer_ratios(self) -> tuple[int, ...]:
+        """Compress ratio of each main (non-MTP) layer; plain attention layouts have none."""
+        return tuple((self.compress_ratios or ())[: self.num_layers])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,8 +149,7 @@ class ModelSpec:
     @property
     def main_layer_ratios(self) -> tuple[int, ...]:
         """Compress ratio of each main (non-MTP) layer; plain attention layouts have none."""
-        ratios = self.layout.compress_ratios or ()
-        return tuple(ratios[: self.layout.num_layers])
+        return self.layout.main_layer_ratios
 
     def group(self, name: str) -> CacheGroupSpec:
         for spec in self.cache_groups:

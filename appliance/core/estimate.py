@@ -1,7 +1,8 @@
 """Offline estimate of peak non-KV memory per device, for `mode=plan` without hardware.
 
-weights: parameter counts from the layout times their dtypes, sharded evenly over the devices
-(expert + tensor parallel); plus a stated activation allowance (plan.activation_allowance_bytes).
+weights: the checkpoint's bytes from the layout (for deepseek_v4 from its parameter description, the same one
+the runner loads: replicated weights on every device, routed experts divided over them), plus a stated
+activation allowance (plan.activation_allowance_bytes).
 It is an estimate: give plan.peak_non_kv_bytes to plan with a measured figure instead.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from appliance.core.archs import architecture
 from appliance.core.config import ModelSpec, RuntimeConfig
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES
@@ -26,32 +28,27 @@ class PeakEstimate:
         return self.weight_bytes_per_device + self.activation_allowance_bytes
 
 
-def weight_bytes(model: ModelSpec) -> int:
+def weight_bytes_per_device(model: ModelSpec, num_devices: int) -> tuple[int, int]:
+    """(total, per device) checkpoint bytes. An architecture that describes its parameters (deepseek_v4) is
+    counted from that description: every device holds the replicated weights (data-parallel attention) and
+    1 / num_devices of the routed experts (expert parallel). Otherwise (qwen3) everything is sharded evenly
+    (tensor parallel)."""
+    describe = architecture(model.arch).parameters
+    if describe is not None:
+        counts = describe(model.layout)
+        return counts.total_bytes, counts.replicated_bytes + -(-counts.expert_bytes // num_devices)
     lay = model.layout
     dense = DTYPE_BYTES[lay.dtype]
     h, heads, hd = lay.hidden_size, lay.num_heads, lay.head_dim
-    layers = lay.num_layers + lay.num_mtp_layers
     embed = lay.vocab_size * h * (1 if lay.tie_word_embeddings else 2)
-    if model.arch == "deepseek_v4":
-        q = h * lay.q_lora_rank + lay.q_lora_rank * heads * hd if lay.q_lora_rank else h * heads * hd
-        attn = q + h * hd + heads * hd * h            # q, shared latent kv, output
-        attn += h * (lay.index_num_heads or 0) * (lay.index_head_dim or 0)   # indexer queries
-    else:
-        attn = h * heads * hd + 2 * h * lay.num_kv_heads * hd + heads * hd * h
-    if lay.num_experts:
-        inter = lay.moe_intermediate_size or lay.intermediate_size
-        expert_bytes = DTYPE_BYTES[lay.expert_dtype or lay.dtype]
-        experts = lay.num_experts * 3 * h * inter * expert_bytes
-        shared = lay.num_shared_experts * 3 * h * inter * dense + h * lay.num_experts * dense
-        mlp_bytes = experts + shared
-    else:
-        mlp_bytes = 3 * h * lay.intermediate_size * dense
-    return embed * dense + layers * (attn * dense + mlp_bytes)
+    attn = h * heads * hd + 2 * h * lay.num_kv_heads * hd + heads * hd * h
+    total = (embed + lay.num_layers * (attn + 3 * h * lay.intermediate_size)) * dense
+    return total, -(-total // num_devices)
 
 
 def estimate_peak_non_kv(model: ModelSpec, num_devices: int, activation_allowance_bytes: int) -> PeakEstimate:
-    total = weight_bytes(model)
-    return PeakEstimate(total, -(-total // num_devices), activation_allowance_bytes)
+    total, per_device = weight_bytes_per_device(model, num_devices)
+    return PeakEstimate(total, per_device, activation_allowance_bytes)
 
 
 def offline_devices(rc: RuntimeConfig) -> list[DeviceMemory]:

@@ -17,6 +17,8 @@ DTYPE_BYTES: dict[str, int] = {
     "float16": 2, "half": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,                   # ue8m0 block scales of quantized checkpoints
+    "float4_e2m1fn_x2": 1,                 # two FP4 (e2m1) values per byte
     "int64": 8, "long": 8,
     "int32": 4, "int": 4,
     "int16": 2, "short": 2,

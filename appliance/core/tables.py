@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from appliance.core.archs.deepseek_v4_weights import ParameterCounts
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
 from appliance.core.planner import CapacityPlan
 from appliance.core.units import human_bytes
@@ -83,3 +84,15 @@ def startup_report_table(report) -> str:
         head += f"; allocation retried {report.allocation_retries} time(s) with fewer slots"
     notes = "".join(f"\nnote: {n}" for n in report.notes)
     return capacity_plan_table(report.plan, title=f"startup report: {head}") + notes
+
+
+def parameter_table(counts: ParameterCounts) -> str:
+    """Parameter counts (total, active per token, MTP) and the checkpoint's bytes, replicated vs routed experts."""
+    billions = lambda n: f"{n / 1e9:,.2f} billion"  # noqa: E731
+    rows = [("total (main model)", counts.total, billions(counts.total)),
+            ("active per token (embedding and head included)", counts.active, billions(counts.active)),
+            ("MTP layers (held, not served)", counts.mtp, billions(counts.mtp)),
+            ("checkpoint bytes: replicated", counts.replicated_bytes, gib(counts.replicated_bytes)),
+            ("checkpoint bytes: routed experts", counts.expert_bytes, gib(counts.expert_bytes)),
+            ("checkpoint bytes: all", counts.total_bytes, gib(counts.total_bytes))]
+    return format_table(["parameters", "count", ""], rows)

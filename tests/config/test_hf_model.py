@@ -16,11 +16,6 @@ from npu.checkpoint import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-# Layout keys today's DeepSeek V4 layout holds that DeepseekV4Config does not: the dense MLP width of the current
-# runner (transformers maps intermediate_size to moe_intermediate_size) and the experts' quantized dtype.
-DSV4_NOT_IN_CONFIG = {"intermediate_size", "expert_dtype"}
-
-
 def differing_fields(a, b) -> set[str]:
     return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
 
@@ -94,16 +89,21 @@ def test_bad_checkpoint_configs_are_config_errors(tmp_path, config, message):
 
 
 def test_deepseek_v4_flash_config_gives_the_dsv4_yaml_groups(tmp_path):
-    """transformers' DeepseekV4Config for the Flash layout -> exactly conf/model/dsv4.yaml's seven cache groups."""
+    """transformers' DeepseekV4Config for the Flash layout as released (YaRN, FP8 linears, FP4 experts) ->
+    exactly conf/model/dsv4.yaml's layout and seven cache groups."""
     flash = load_runtime_config(["+model=dsv4", "device=ascend_a3", "mode=validate", "max_model_len=8192"])
     main_ratios = list(flash.model.layout.compress_ratios[:flash.model.layout.num_layers])
-    transformers.DeepseekV4Config(compress_ratios=main_ratios, dtype="bfloat16",
-                                  architectures=["DeepseekV4ForCausalLM"]).save_pretrained(tmp_path)
+    transformers.DeepseekV4Config(
+        compress_ratios=main_ratios, dtype="bfloat16", architectures=["DeepseekV4ForCausalLM"], expert_dtype="fp4",
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1},
+        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}).save_pretrained(tmp_path)
     rc = load_runtime_config(["+model=hf", f"model.weights={tmp_path}", "device=ascend_a3", "mode=validate",
                               "max_model_len=8192"])
     assert rc.model.arch == "deepseek_v4"
     assert rc.model.cache_groups == flash.model.cache_groups
-    assert differing_fields(rc.model.layout, flash.model.layout) == DSV4_NOT_IN_CONFIG
+    assert differing_fields(rc.model.layout, flash.model.layout) == set()
 
 
 def test_tiny_deepseek_v4_config_with_layer_types_validates(tmp_path, cli):

@@ -1,7 +1,6 @@
 """Weights (random + safetensors loading with one clear error), tiny checkpoints, and the built tokenizer."""
 
 import dataclasses
-import importlib.util
 import json
 
 import pytest
@@ -146,18 +145,6 @@ def test_load_tokenizer_for_random_and_checkpoint_models(tmp_path, qwen3_tiny):
     path = write_tiny_checkpoint(tmp_path, qwen3_tiny, seed=0)
     tok = load_tokenizer_for(dataclasses.replace(qwen3_tiny, weights=str(path)))
     assert tok.source == str(path / "tokenizer.json")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("npu.deepseek_v4") is None, reason="npu.deepseek_v4 not written yet")
-def test_tiny_deepseek_v4_checkpoint_loads_into_its_runner(tmp_path):
-    from npu.deepseek_v4 import DeepseekV4Runner
-    model = load_runtime_config([]).model                            # the embedded default, dsv4_tiny
-    path = write_tiny_checkpoint(tmp_path, model, seed=2)
-    assert json.loads((path / "config.json").read_text())["compress_ratios"] == list(model.layout.compress_ratios)
-    runner = DeepseekV4Runner(dataclasses.replace(model, weights=str(path)), "cpu")
-    runner.load_weights()
-    ref = random_state_dict(runner.expected_weights(), seed=2, device="cpu")
-    assert all(torch.equal(runner.params[n], ref[n]) for n in ref)
 
 
 # -- startup faults: unreadable files, NaN / inf, memory of random weights ---------------------------------

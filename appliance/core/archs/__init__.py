@@ -11,13 +11,17 @@ string, imported when that arch is started).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from appliance.core.archs import deepseek_v4, qwen3
+from appliance.core.archs import deepseek_v4, deepseek_v4_weights, qwen3
 from appliance.core.archs.hf_config import HfLayout
-from appliance.core.config import ModelSpec
+from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigError, ConfigIssue
+
+
+def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(cfg)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,11 @@ class Architecture:
     validate: Callable[[ModelSpec], list[ConfigIssue]]     # layout and cache-group rules, with key paths
     parallelism: frozenset[str]                            # among "tensor", "data", "expert"
     config_keys: dict[str, str]                            # checkpoint config.json key -> layout key
+    config_view: Callable[[dict[str, Any]], dict[str, Any]] = _flat   # config.json -> the keys config_keys names
+    config_fixed: dict[str, Any] = field(default_factory=dict)        # config.json keys with one supported value
+    # The parameters as released (names, shapes, stored formats), when the arch describes them torch-free:
+    # the runner's expected weights, the plan's weight estimate and mode=validate's counts all read it.
+    parameters: Callable[[Layout], deepseek_v4_weights.ParameterCounts] | None = None
     # Serving a checkpoint directory (+model=hf): its config.json "architectures" names, the layout it gives,
     # and the cache groups a finished layout needs (model-YAML shaped dicts).
     hf_architectures: tuple[str, ...] = ()
@@ -39,7 +48,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  hf_architectures=qwen3.HF_ARCHITECTURES, layout_from_hf_config=qwen3.layout_from_hf_config,
                  cache_groups_for=qwen3.cache_groups_for),
     Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
-                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS,
+                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4.config_view,
+                 deepseek_v4.CONFIG_FIXED, deepseek_v4_weights.parameter_counts,
                  hf_architectures=deepseek_v4.HF_ARCHITECTURES,
                  layout_from_hf_config=deepseek_v4.layout_from_hf_config,
                  cache_groups_for=deepseek_v4.cache_groups_for),

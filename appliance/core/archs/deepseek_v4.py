@@ -1,49 +1,129 @@
-"""Rules of arch deepseek_v4: one latent KV head, two compress ratios (CSA smallest, HCA largest), and the
-seven cache groups with the layers, tokens per row and widths the runner's math reads."""
+"""Rules of arch deepseek_v4 (DeepSeek-V4 as released): one latent KV head, two compress ratios (CSA smallest,
+HCA largest), the seven cache groups with the layers, tokens per row and widths the runner's math reads, the
+layout keys the model needs, and how a checkpoint's config.json maps onto the layout.
+
+config.json comes in two spellings, both read: the released one (`compress_ratios`, `num_hash_layers`,
+`qk_rope_head_dim`, `rope_scaling`, `compress_rope_theta`, `quantization_config`, `expert_dtype`) and the one
+transformers' DeepseekV4Config writes (`layer_types` + `compress_rates`, `mlp_layer_types`,
+`partial_rotary_factor`, `rope_parameters.{main,compress}`).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from appliance.core.archs.hf_config import HfConfigError, HfLayout, dtype_of, plain_rope_theta, read
-from appliance.core.config import ModelSpec
+from appliance.core.archs.hf_config import HfConfigError, HfLayout, dtype_of, read
+from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
+EXPERT_DTYPES = ("fp4", "fp8")
 
-# config.json keys of a deepseek_v4 checkpoint -> the layout keys they must agree with (the tiny checkpoints
-# write the layout under its own names).
-CONFIG_KEYS = {k: k for k in (
-    "hidden_size", "num_layers", "num_mtp_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-    "intermediate_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "sliding_window", "compress_ratios",
-    "index_head_dim", "index_num_heads", "index_topk", "q_lora_rank", "num_experts", "num_experts_per_tok",
-    "num_shared_experts", "moe_intermediate_size")}
-
-
-# transformers' DeepseekV4Config key -> (layout key, the default DeepseekV4Config assumes when the key is absent).
-HF_KEYS = {
-    "vocab_size": ("vocab_size", 129280), "hidden_size": ("hidden_size", 4096),
-    "num_hidden_layers": ("num_layers", 43), "num_attention_heads": ("num_heads", 64),
-    "num_key_value_heads": ("num_kv_heads", 1), "head_dim": ("head_dim", 512), "q_lora_rank": ("q_lora_rank", 1024),
-    "moe_intermediate_size": ("moe_intermediate_size", 2048), "n_routed_experts": ("num_experts", 256),
-    "num_experts_per_tok": ("num_experts_per_tok", 6), "n_shared_experts": ("num_shared_experts", 1),
-    "rms_norm_eps": ("rms_norm_eps", 1e-6), "tie_word_embeddings": ("tie_word_embeddings", False),
-    "sliding_window": ("sliding_window", 128), "index_n_heads": ("index_num_heads", 64),
-    "index_head_dim": ("index_head_dim", 128), "index_topk": ("index_topk", 512),
-    "num_nextn_predict_layers": ("num_mtp_layers", 1),
+# config.json key (nested keys dotted, as config_view flattens them) -> the layout key it must agree with.
+CONFIG_KEYS = {
+    "hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_nextn_predict_layers": "num_mtp_layers",
+    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+    "vocab_size": "vocab_size", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "tie_word_embeddings": "tie_word_embeddings", "sliding_window": "sliding_window",
+    "compress_ratios": "main_layer_ratios", "index_head_dim": "index_head_dim", "index_n_heads": "index_num_heads",
+    "index_topk": "index_topk", "q_lora_rank": "q_lora_rank", "qk_rope_head_dim": "qk_rope_head_dim",
+    "o_groups": "o_groups", "o_lora_rank": "o_lora_rank", "compress_rope_theta": "compress_rope_theta",
+    "rope_scaling.factor": "yarn_factor",
+    "rope_scaling.original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "rope_scaling.beta_fast": "yarn_beta_fast", "rope_scaling.beta_slow": "yarn_beta_slow",
+    "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "n_shared_experts": "num_shared_experts", "moe_intermediate_size": "moe_intermediate_size",
+    "num_hash_layers": "num_hash_layers", "scoring_func": "scoring_func",
+    "routed_scaling_factor": "routed_scaling_factor", "swiglu_limit": "swiglu_limit", "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps",
+    "quantization_config.weight_block_size": "quant_block_size", "expert_dtype": "expert_dtype",
 }
+
+# config.json keys whose only supported value is the released one (checked when present).
+CONFIG_FIXED = {
+    "hidden_act": "silu", "norm_topk_prob": True, "topk_method": "noaux_tc",
+    "quantization_config.quant_method": "fp8", "quantization_config.fmt": "e4m3",
+    "quantization_config.scale_fmt": "ue8m0",
+}
+
+YARN_DEFAULTS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32, "beta_slow": 1}
 HF_LAYER_TYPES = {"sliding_attention": None, "compressed_sparse_attention": "compressed_sparse_attention",
                   "heavily_compressed_attention": "heavily_compressed_attention"}
 HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+# What transformers' DeepseekV4Config assumes for a config.json key it leaves out (config_view's keys).
+HF_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 64,
+    "index_topk": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
+    "compress_rope_theta": 160000.0, "rope_scaling.factor": None, "rope_scaling.original_max_position_embeddings": None,
+    "rope_scaling.beta_fast": 32.0, "rope_scaling.beta_slow": 1.0, "n_routed_experts": 256, "num_experts_per_tok": 6,
+    "n_shared_experts": 1, "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "quantization_config.weight_block_size": None, "expert_dtype": None,
+}
 SERVING_DEFAULTS = {"block_size": 128, "tokens_in_flight": 256}   # two pipelined 128-token prefill tiles
 MAX_MODEL_LEN_CAP = 16384                                          # full-history groups are sized up to this
 STATE_ROWS_PER_PAGE = 8                                            # compressor-state pages hold min(8, ratio) rows
 
 
-def _hf_compress_ratios(cfg: dict[str, Any], num_layers: int, num_mtp: int) -> tuple[str, list[int]]:
-    """(config.json key, one ratio per main then MTP layer) from layer_types + compress_rates, or the legacy
-    per-layer compress_ratios list; MTP layers keep only the sliding window (ratio 0) unless listed."""
+def _rope_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Thetas and YaRN from `rope_scaling` (released) or `rope_parameters.{main,compress}` (transformers)."""
+    out: dict[str, Any] = {}
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        main, scaling = params.get("main") or {}, params["compress"]
+        if "rope_theta" in main:
+            out["rope_theta"] = main["rope_theta"]
+        if "rope_theta" in scaling:
+            out["compress_rope_theta"] = scaling["rope_theta"]
+    elif "rope_scaling" in cfg:
+        scaling = cfg["rope_scaling"]
+    else:
+        return out
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        out.update({f"rope_scaling.{k}": scaling.get(k, default) for k, default in YARN_DEFAULTS.items()})
+    else:
+        out["rope_scaling.factor"] = None
+    return out
+
+
+def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the flat view CONFIG_KEYS and CONFIG_FIXED read, whichever spelling it uses."""
+    view = {k: v for k, v in cfg.items() if not isinstance(v, dict) and k not in ("rope_scaling", "rope_parameters")}
+    n = read(cfg, "num_hidden_layers", HF_DEFAULTS["num_hidden_layers"])
+    try:
+        view["compress_ratios"] = hf_compress_ratios(cfg, n, 0)[1]
+    except HfConfigError:
+        pass                               # neither layer_types nor compress_ratios: nothing to check
+    if "num_hash_layers" not in cfg and isinstance(cfg.get("mlp_layer_types"), list):
+        types = cfg["mlp_layer_types"]
+        view["num_hash_layers"] = next((i for i, t in enumerate(types) if t != "hash_moe"), len(types))
+    if "qk_rope_head_dim" not in cfg and cfg.get("partial_rotary_factor") and cfg.get("head_dim"):
+        view["qk_rope_head_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    view.update(_rope_view(cfg))
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict):
+        block = quant.get("weight_block_size")
+        square = isinstance(block, list) and len(block) == 2 and block[0] == block[1]
+        view["quantization_config.weight_block_size"] = block[0] if square else block
+        for key in ("quant_method", "fmt", "scale_fmt"):
+            if key in quant:
+                view[f"quantization_config.{key}"] = quant[key]
+        if "expert_dtype" not in cfg and "expert_dtype" in quant:
+            view["expert_dtype"] = quant["expert_dtype"]
+    else:
+        view["quantization_config.weight_block_size"] = None
+    return view
+
+
+def hf_compress_ratios(cfg: dict[str, Any], num_layers: int, num_mtp: int) -> tuple[str, list[int]]:
+    """(config.json key, one ratio per main then MTP layer) from layer_types + compress_rates (transformers'
+    defaults 4 and 128 for the ones it leaves out), or the released per-layer compress_ratios list (which may
+    run past the main layers); MTP layers keep only the sliding window (ratio 0) unless listed."""
     legacy = cfg.get("compress_ratios")
     if cfg.get("layer_types") is not None:
         rates = {**HF_COMPRESS_RATES, **(cfg.get("compress_rates") or {})}
@@ -62,19 +142,13 @@ def _hf_compress_ratios(cfg: dict[str, Any], num_layers: int, num_mtp: int) -> t
 
 
 def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
-    """model.layout from a transformers DeepseekV4Config config.json, as far as today's layout fields reach."""
-    from_file = {key: (file_key, read(cfg, file_key, default)) for file_key, (key, default) in HF_KEYS.items()}
-    # transformers maps intermediate_size to moe_intermediate_size (the shared expert's width).
-    from_file["intermediate_size"] = from_file["moe_intermediate_size"]
-    rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("main"), dict):      # nested per rope type (main / compress)
-        main = rope["main"]
-        if main.get("rope_type", "default") != "default":
-            raise HfConfigError("rope_parameters.main.rope_type", f"{main['rope_type']!r} is not supported")
-        from_file["rope_theta"] = ("rope_parameters.main.rope_theta", float(main.get("rope_theta", 10000.0)))
-    else:
-        from_file["rope_theta"] = plain_rope_theta({k: v for k, v in cfg.items() if k != "rope_scaling"}, 10000.0)
-    from_file["compress_ratios"] = _hf_compress_ratios(cfg, from_file["num_layers"][1], from_file["num_mtp_layers"][1])
+    """model.layout from a DeepSeek V4 config.json (released or transformers' spelling, read through config_view;
+    a key it leaves out takes transformers' DeepseekV4Config default)."""
+    view = config_view(cfg)
+    from_file = {key: (file_key, view.get(file_key, HF_DEFAULTS.get(file_key)))
+                 for file_key, key in CONFIG_KEYS.items() if key != "main_layer_ratios"}
+    num_layers, num_mtp = from_file["num_layers"][1], from_file["num_mtp_layers"][1]
+    from_file["compress_ratios"] = hf_compress_ratios(cfg, num_layers, num_mtp)
     from_file["dtype"] = dtype_of(cfg)
     cap = min(int(read(cfg, "max_position_embeddings", 1048576)), MAX_MODEL_LEN_CAP)
     return HfLayout(from_file, {**SERVING_DEFAULTS, "max_model_len_cap": cap})
@@ -109,14 +183,36 @@ def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def compress_ratios(model: ModelSpec) -> tuple[int, int] | None:
+def compress_ratios(layout: Layout) -> tuple[int, int] | None:
     """(CSA ratio, HCA ratio) of the main layers, or None when there are not exactly two nonzero ratios."""
-    nonzero = sorted({r for r in model.main_layer_ratios if r})
+    nonzero = sorted({r for r in layout.main_layer_ratios if r})
     return (nonzero[0], nonzero[1]) if len(nonzero) == 2 else None
 
 
+def csa_ratio(layout: Layout) -> int:
+    """The CSA ratio: the smallest nonzero one. Its compressors (and the indexer's) pool overlapping windows."""
+    return min((r for r in layout.main_layer_ratios if r), default=0)
+
+
+def state_span_pages(start: int, num_tokens: int, ratio: int, tokens_per_page: int, overlap: bool) -> int:
+    """Logical pages of a compressor-state ring that one step of `num_tokens` tokens from `start` touches.
+
+    The step writes the state rows of its own tokens and reads, for every window it completes, that
+    window's rows and, with overlap, the previous window's too: window i (tokens [i r, (i + 1) r)) completes
+    at token (i + 1) r - 1, so the first window it completes is start // r and the earliest row it reads is
+    (start // r - overlap) r. A ring of fewer slots than this would have reused a slot the step still reads.
+    """
+    first_window = start // ratio
+    ends = (start + num_tokens) // ratio > first_window          # the step completes at least one window
+    earliest = (first_window - (1 if overlap else 0)) * ratio if ends else start
+    earliest = max(earliest, 0)
+    return (start + num_tokens - 1) // tokens_per_page - earliest // tokens_per_page + 1
+
+
 def group_roles(model: ModelSpec, csa: int, hca: int) -> dict[str, tuple[tuple[int, ...], int, int]]:
-    """Cache group name -> (layers, tokens per row, least row width) the runner needs."""
+    """Cache group name -> (layers, tokens per row, least row width) the runner needs. A compressor state row
+    holds a token's kv and score (gate + position bias), each as wide as the compressor: head_dim for HCA,
+    2 x head_dim for the overlapping CSA compressor and 2 x index_head_dim for the indexer's."""
     lay, ratios = model.layout, model.main_layer_ratios
     d, di = lay.head_dim, lay.index_head_dim or 0
     layers_of = lambda r: tuple(i for i, x in enumerate(ratios) if x == r)  # noqa: E731
@@ -126,24 +222,73 @@ def group_roles(model: ModelSpec, csa: int, hca: int) -> dict[str, tuple[tuple[i
         f"cmp_c{csa}": (layers_of(csa), csa, d),
         "idx": (layers_of(csa), csa, di),
         "hca_state": (layers_of(hca), 1, 2 * d),
-        "csa_state": (layers_of(csa), 1, 2 * d),
-        "csa_inner_state": (layers_of(csa), 1, 2 * di),
+        "csa_state": (layers_of(csa), 1, 4 * d),
+        "csa_inner_state": (layers_of(csa), 1, 4 * di),
     }
+
+
+def _layout_issues(lay: Layout) -> list[ConfigIssue]:
+    """The model as released needs these keys, with values its math can run."""
+    issues = []
+
+    def need(key: str, ok: bool, rule: str) -> None:
+        if not ok:
+            issues.append(ConfigIssue(f"model.layout.{key}", getattr(lay, key), rule))
+
+    def positive(key: str) -> bool:
+        value = getattr(lay, key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        need(key, ok, "arch deepseek_v4 needs it: a positive integer")
+        return ok
+
+    if lay.num_kv_heads != 1:
+        need("num_kv_heads", False, "arch deepseek_v4 keeps one latent KV row per token (MQA): must be 1")
+    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
+        need(key, getattr(lay, key) is not None, "arch deepseek_v4 needs it")
+    need("tokens_in_flight", lay.tokens_in_flight > 0, "arch deepseek_v4 bounds a step's chunk by it: must be > 0")
+    sizes = {k: positive(k) for k in ("q_lora_rank", "qk_rope_head_dim", "o_groups", "o_lora_rank", "num_experts",
+                                      "num_experts_per_tok", "moe_intermediate_size", "hc_mult")}
+    need("swiglu_limit", lay.swiglu_limit is not None and lay.swiglu_limit > 0,
+         "arch deepseek_v4 clamps its experts' inputs: needs a limit > 0 (10.0 as released)")
+    if sizes["qk_rope_head_dim"]:
+        rope = lay.qk_rope_head_dim
+        need("qk_rope_head_dim", rope % 2 == 0 and rope <= lay.head_dim and rope <= (lay.index_head_dim or rope),
+             f"RoPE rotates pairs of the trailing channels of a head ({lay.head_dim}) and of an indexer head "
+             f"({lay.index_head_dim}): must be even and fit both")
+    if sizes["o_groups"]:
+        need("o_groups", lay.num_heads * lay.head_dim % lay.o_groups == 0,
+             f"must divide num_heads x head_dim ({lay.num_heads * lay.head_dim})")
+    if sizes["num_experts"] and sizes["num_experts_per_tok"]:
+        need("num_experts_per_tok", lay.num_experts_per_tok <= lay.num_experts,
+             f"must be <= model.layout.num_experts ({lay.num_experts})")
+    need("num_shared_experts", lay.num_shared_experts == 1, "arch deepseek_v4 has one shared expert per layer")
+    need("num_hash_layers", 0 <= lay.num_hash_layers <= lay.num_layers,
+         f"must be in [0, num_layers = {lay.num_layers}]")
+    need("scoring_func", lay.scoring_func in SCORING_FUNCS, f"must be one of {list(SCORING_FUNCS)}")
+    need("compress_rope_theta", lay.compress_rope_theta is not None and lay.compress_rope_theta > 0,
+         "arch deepseek_v4 needs the RoPE base of its compressed layers (> 0)")
+    need("yarn_original_max_position_embeddings",
+         (lay.yarn_factor is None) == (lay.yarn_original_max_position_embeddings is None),
+         "YaRN needs both model.layout.yarn_factor and model.layout.yarn_original_max_position_embeddings")
+    need("expert_dtype", lay.expert_dtype in (None, *EXPERT_DTYPES), f"must be null or one of {list(EXPERT_DTYPES)}")
+    need("quant_block_size", lay.quant_block_size is None or lay.quant_block_size > 0, "must be null or > 0")
+    if lay.expert_dtype == "fp8":
+        need("quant_block_size", lay.quant_block_size is not None,
+             "FP8 experts use the linears' block scales: set model.layout.quant_block_size")
+    if lay.expert_dtype == "fp4" and sizes["moe_intermediate_size"]:
+        need("expert_dtype", lay.hidden_size % 32 == 0 and lay.moe_intermediate_size % 32 == 0,
+             f"FP4 experts keep one scale per 32 values of a row: hidden_size ({lay.hidden_size}) and "
+             f"moe_intermediate_size ({lay.moe_intermediate_size}) must be multiples of 32")
+    mtp_ratios = list((lay.compress_ratios or ())[lay.num_layers:])
+    need("compress_ratios", not any(mtp_ratios),
+         f"MTP layers attend through the sliding window only (ratio 0), as released; got {mtp_ratios}")
+    return issues
 
 
 def validate(model: ModelSpec) -> list[ConfigIssue]:
     lay = model.layout
-    issues = []
-    if lay.num_kv_heads != 1:
-        issues.append(ConfigIssue("model.layout.num_kv_heads", lay.num_kv_heads,
-                                  "arch deepseek_v4 keeps one latent KV row per token (MQA): must be 1"))
-    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
-        if getattr(lay, key) is None:
-            issues.append(ConfigIssue(f"model.layout.{key}", None, "arch deepseek_v4 needs it"))
-    if lay.tokens_in_flight <= 0:
-        issues.append(ConfigIssue("model.layout.tokens_in_flight", lay.tokens_in_flight,
-                                  "arch deepseek_v4 bounds a step's chunk by it: must be > 0"))
-    ratios = compress_ratios(model)
+    issues = _layout_issues(lay)
+    ratios = compress_ratios(lay)
     if ratios is None:
         issues.append(ConfigIssue("model.layout.compress_ratios", list(lay.compress_ratios or ()),
                                   "arch deepseek_v4 needs exactly two nonzero ratios (CSA = smallest, HCA = largest)"))

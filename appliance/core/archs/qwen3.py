@@ -54,6 +54,8 @@ def validate(model: ModelSpec) -> list[ConfigIssue]:
                             f"arch qwen3 needs exactly one cache group, named {KV!r}")]
     spec, p = groups[0], "model.cache_groups[0]"
     issues = []
+    if lay.intermediate_size is None:
+        issues.append(ConfigIssue("model.layout.intermediate_size", None, "arch qwen3 needs its dense MLP width"))
     if spec.layer_ids != tuple(range(lay.num_layers)):
         issues.append(ConfigIssue(f"{p}.layers", list(spec.layer_ids), "arch qwen3 keeps K/V of every layer: 'all'"))
     if spec.history != "full":

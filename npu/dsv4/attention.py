@@ -1,0 +1,152 @@
+"""DeepSeek V4 attention of one layer over the paged cache groups.
+
+- Queries: q_r = q_norm(x wq_a) (the q-LoRA latent), q = RMS(q_r wq_b) per head (no weight), RoPE.
+- One shared key-and-value row per token: kv_norm(x wkv), RoPE; written to `ori` (the sliding window).
+- Compressed layers (ratio r): each token writes a state row [x wkv_c, x wgate_c + ape[t mod r]] (kv and
+  score); when window i (tokens [i r, (i + 1) r)) is complete, row i of cmp_c{r} is
+  RoPE@(i r)(norm(sum_t softmax_t(score_t) kv_t)), softmax per channel over the window's tokens. CSA (the
+  smallest ratio) overlaps: its compressors are 2 x width wide and row i pools the first half of window
+  i - 1 and the second half of window i (window -1 is empty). HCA (the largest) does not overlap. Row i
+  is visible to the query at t once (i + 1) r - 1 <= t.
+- HCA attends to every visible compressed row; CSA to the index_topk visible rows with the highest
+  lightning-indexer score sum_h w_h relu(q_h . k_i) / sqrt(index_head_dim), w = x weights_proj /
+  sqrt(index_num_heads), q from the q-LoRA latent (indexer.wq_b, RoPE), keys compressed like CSA's into
+  `idx` (ties: the lower row first).
+- One softmax over window rows, compressed rows and a learned per-head sink logit (scale 1/sqrt(head_dim));
+  the output's RoPE channels are rotated back at the query position, then the grouped output projection:
+  heads in o_groups groups, each projected by its block of wo_a, then wo_b.
+Window-only layers use RoPE with rope_theta, compressed layers (their compressors and indexer too) with
+compress_rope_theta and YaRN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from appliance.core.config import Layout
+from npu.dsv4.hyper import unweighted_rms
+from npu.dsv4.paging import Compression, PoolIO, Rows, StepPlan
+from npu.dsv4.rope import Rope, Rotation
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a float32 gain, computed in float32 and cast back once (as released)."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def pool_windows(rows: torch.Tensor, ok: torch.Tensor, ratio: int, width: int, overlap: bool,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Compressed rows [J, width] from the state rows of each completed window [J, span, 2 coff width]
+    ([kv | score], coff = 2 with overlap): sum over tokens of softmax(score) x kv, per channel. With overlap
+    the span is the previous window then this one, and a row pools the previous window's first halves
+    with this window's second halves; rows that do not exist (ok False: window -1) get no weight."""
+    coff = 2 if overlap else 1
+    kv, score = rows.split(coff * width, dim=-1)
+    if overlap:
+        kv = torch.cat([kv[:, :ratio, :width], kv[:, ratio:, width:]], dim=1)
+        score = torch.cat([score[:, :ratio, :width], score[:, ratio:, width:]], dim=1)
+    score = score.masked_fill(~ok[..., None], float("-inf"))
+    return (kv.to(dtype) * score.softmax(dim=1).to(dtype)).sum(dim=1)
+
+
+class Attention:
+    """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype)."""
+
+    def __init__(self, layout: Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
+                 ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
+        self.lay, self.ratios, self.kinds, self.ropes, self.w, self.io, self.dtype = (
+            layout, ratios, kinds, ropes, w, io, dtype)
+        self.csa = min(kinds)
+
+    def rotations(self, plan: StepPlan) -> dict[object, Rotation]:
+        """The step's rotations, computed once: at the tokens' positions (window-only and compressed RoPE) and
+        at the first position of each window compressed in this step."""
+        out: dict[object, Rotation] = {compressed: rope.at(plan.pos) for compressed, rope in self.ropes.items()}
+        out.update({ratio: self.ropes[True].at(pos) for ratio, pos in plan.run_pos.items()})
+        return out
+
+    def __call__(self, layer: int, x: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation]) -> torch.Tensor:
+        lay, w = self.lay, self.w
+        p, ratio, d, eps = f"layers.{layer}.attn.", self.ratios[layer], lay.head_dim, lay.rms_norm_eps
+        rope = rot[bool(ratio)]
+        q_latent = rms_norm(F.linear(x, w(p + "wq_a.weight")), w(p + "q_norm.weight"), eps)
+        q = unweighted_rms(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, lay.num_heads, d), eps)
+        q = rope.apply(q)
+        kv = rope.apply(rms_norm(F.linear(x, w(p + "wkv.weight")), w(p + "kv_norm.weight"), eps))
+        self.io.write("ori", layer, plan.rows["ori.write"], kv)
+        parts = [(self.io.read("ori", layer, plan.rows["ori.keys"], d, self.dtype), plan.window_mask)]
+        if ratio:
+            kind = self.kinds[ratio]
+            cmp = kind.outputs[0]
+            self._compress(layer, p + "compressor.", kind, kind.states[0], cmp, d, x, plan, rot[ratio])
+            if ratio != self.csa:        # HCA: every visible compressed row
+                parts.append((self.io.read(cmp, layer, plan.rows[f"{cmp}.keys"], d, self.dtype), plan.visible[ratio]))
+            else:                        # CSA: the rows the indexer picks, per query
+                self._compress(layer, p + "indexer.compressor.", kind, kind.states[1], kind.outputs[1],
+                               lay.index_head_dim, x, plan, rot[ratio])
+                picked = self._index(layer, x, q_latent, plan, rope)
+                if picked is not None:
+                    parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
+        out = plan.unpad(self._attend(layer, plan.pad(q), parts))               # [N, H, d]
+        out = rope.apply(out, inverse=True)
+        groups = lay.o_groups
+        wo_a = w(p + "wo_a.weight").view(groups, lay.o_lora_rank, -1)         # [G, rank, H d / G]
+        grouped = torch.einsum("ngi,gri->ngr", out.reshape(out.shape[0], groups, -1), wo_a)
+        return F.linear(grouped.flatten(1), w(p + "wo_b.weight"))
+
+    def _compress(self, layer: int, prefix: str, kind: Compression, state: str, out: str, width: int,
+                  x: torch.Tensor, plan: StepPlan, rope: Rotation) -> None:
+        """Write this step's state rows; compress every window completed in this step into `out`."""
+        w, r = self.w, kind.ratio
+        kv = F.linear(x, w(prefix + "wkv.weight"))
+        score = F.linear(x, w(prefix + "wgate.weight")).float() + w(prefix + "ape")[plan.pos % r]
+        self.io.write(state, layer, plan.rows[f"{state}.write"], torch.cat([kv.float(), score], -1))
+        read = plan.rows[f"{state}.read"]
+        if read.page.numel() == 0:
+            return
+        coff = 2 if kind.overlap else 1
+        rows = self.io.read(state, layer, read, 2 * coff * width, torch.float32)   # [J, coff r, 2 coff width]
+        pooled = pool_windows(rows, read.ok, r, width, kind.overlap, self.dtype)
+        pooled = rms_norm(pooled, w(prefix + "norm.weight"), self.lay.rms_norm_eps)
+        self.io.write(out, layer, plan.rows[f"{out}.write"], rope.apply(pooled))
+
+    def _index(self, layer: int, x: torch.Tensor, q_latent: torch.Tensor, plan: StepPlan,
+               rope: Rotation) -> Rows | None:
+        """Rows of the top index_topk visible CSA rows of each query, [S, Q, k] (ties: lower row first)."""
+        lay, w = self.lay, self.w
+        p, heads, di = f"layers.{layer}.attn.indexer.", lay.index_num_heads, lay.index_head_dim
+        visible = plan.visible[self.csa]
+        k = min(lay.index_topk, visible.shape[-1])
+        if k == 0:
+            return None
+        q = rope.apply(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, heads, di))
+        head_w = F.linear(x, w(p + "weights_proj.weight")).float() * heads ** -0.5
+        keys = self.io.read("idx", layer, plan.rows["idx.keys"], di, torch.float32)          # [S, Kc, di]
+        dots = torch.einsum("sqhd,skd->sqhk", plan.pad(q).float(), keys).relu() * di ** -0.5
+        score = (dots * plan.pad(head_w)[..., None]).sum(dim=2) + 0.0                       # -0.0 -> 0.0: ties
+        score = score.masked_fill(~visible, float("-inf"))
+        order = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]           # [S, Q, k]
+        where = plan.rows[f"{self.kinds[self.csa].outputs[0]}.keys"]                       # [S, Kc]
+        pick = lambda t: t.gather(1, order.flatten(1)).view_as(order)  # noqa: E731
+        return Rows(pick(where.page), pick(where.row), score.gather(-1, order) > float("-inf"))
+
+    def _attend(self, layer: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """q [S, Q, H, d] over parts of keys = values with masks [S, Q, K]: keys [S, K, d] are shared by a
+        sequence's queries, keys [S, Q, K, d] are per query. One softmax over all parts and a sink logit."""
+        S, Q, H, d = q.shape
+        scores = []
+        for keys, mask in parts:
+            eq = "sqhd,skd->shqk" if keys.dim() == 3 else "sqhd,sqkd->shqk"
+            scores.append((torch.einsum(eq, q, keys).float() * d ** -0.5).masked_fill(~mask[:, None], -math.inf))
+        sink = self.w(f"layers.{layer}.attn.attn_sink").float().view(1, H, 1, 1).expand(S, H, Q, 1)
+        probs = torch.cat([*scores, sink], dim=-1).softmax(dim=-1)
+        out = torch.zeros_like(q)
+        for (keys, _), prob in zip(parts, probs[..., :-1].split([s.shape[-1] for s in scores], dim=-1), strict=True):
+            eq = "shqk,skd->sqhd" if keys.dim() == 3 else "shqk,sqkd->sqhd"
+            out = out + torch.einsum(eq, prob.to(keys.dtype), keys)
+        return out

@@ -1,0 +1,55 @@
+"""Manifold-constrained hyper-connections: hc_mult residual streams per token instead of one residual.
+
+Before each sub-layer (attention, MoE) a learned projection of the RMS-normalized streams gives three
+mixings: `pre` collapses the streams into the sub-layer's input, `post` spreads its output back over the
+streams, and `comb` (made doubly stochastic by Sinkhorn iterations, so mixing never amplifies) mixes the
+streams themselves: streams' = post x out + comb^T streams. At the end `hc_head` collapses the streams.
+The mixing math runs in float32; the streams keep the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] positive matrices -> doubly stochastic: columns first, then rows and columns alternately."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [N, hc, D] -> (post [N, hc], comb [N, hc, hc], collapsed sub-layer input [N, D])."""
+    n, hc, _ = streams.shape
+    mixes = F.linear(unweighted_rms(streams.flatten(1).float(), norm_eps), fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(n, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, sinkhorn(comb, iters, hc_eps), collapsed
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The sub-layer's output spread over the streams plus the mixed streams (comb applied transposed)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The final collapse of the streams [N, hc, D] -> [N, D] (sigmoid weights, no mixing)."""
+    mixes = F.linear(unweighted_rms(streams.flatten(1).float(), norm_eps), fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

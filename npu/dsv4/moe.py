@@ -1,0 +1,53 @@
+"""DeepSeek V4 MoE: routed experts picked per token plus one shared expert, SwiGLU with clamped inputs.
+
+Routing: scores = score_fn(h Wg); the first num_hash_layers layers take the experts the fixed table
+tid2eid[token] names, the others the top num_experts_per_tok of scores + bias (the bias only selects:
+noaux_tc). The picked scores are renormalized to sum to 1 and scaled by routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+SCORE_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def route(h: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int, scale: float,
+          bias: torch.Tensor | None = None, table: torch.Tensor | None = None,
+          token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k], experts [N, k]): by the hash table `table[token_ids]` when given, else by top-k of
+    scores + bias."""
+    scores = SCORE_FUNCS[scoring_func](F.linear(h, gate))
+    if table is not None:
+        experts = table[token_ids]
+    else:
+        experts = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float | None) -> torch.Tensor:
+    gate, up = F.linear(x, w1), F.linear(x, w3)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   limit: float | None) -> torch.Tensor:
+    """Sum over each token's experts of weight x expert(h); only the experts some token picked are fetched
+    (expert(e) -> its w1, w3, w2 in the compute dtype). Each (token, slot) output lands in its own row of a
+    [N, k, D] buffer, summed at the end: no scatter-add (slow on CPUs under load, order-dependent elsewhere)."""
+    n, k = experts.shape
+    out = h.new_zeros((n, k, h.shape[-1]))
+    for e in torch.unique(experts).tolist():
+        token, slot = torch.where(experts == e)
+        out[token, slot] = swiglu(h[token], *expert(e), limit) * weights[token, slot, None].to(h.dtype)
+    return out.sum(dim=1)

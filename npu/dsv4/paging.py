@@ -1,0 +1,203 @@
+"""Where a step's rows live in the paged pools, and reading / writing them.
+
+A step's plan is built once on the CPU (every layer reuses it), then moved to the device: for each cache
+group the physical page and row of every row the step writes or reads, and whether that row exists. Rows
+are located through the step's block tables only; ring groups find logical page L in slot L mod
+max_blocks_per_seq, so a ring must have as many slots as the logical pages one step touches: the runner
+checks that (appliance.core.archs.deepseek_v4.state_span_pages) instead of reading a reused slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from appliance.core.archs.deepseek_v4 import state_span_pages
+from appliance.core.config import ModelSpec
+from appliance.core.kv_cache_spec import CacheGroupSpec
+from npu.step import SeqStep, StepBatch
+
+
+@dataclass
+class Rows:
+    """Rows of one cache group for one step: physical page, row in page, and validity."""
+
+    page: torch.Tensor
+    row: torch.Tensor
+    ok: torch.Tensor
+
+    def to(self, device: torch.device) -> "Rows":
+        return Rows(self.page.to(device), self.row.to(device), self.ok.to(device))
+
+
+@dataclass
+class StepPlan:
+    """Layer-independent indices of one step. Queries are padded to [S, Q] (S sequences, Q = longest
+    chunk); flat tokens follow batch order."""
+
+    num_seqs: int
+    max_q: int
+    token_ids: torch.Tensor        # [N]
+    pos: torch.Tensor              # [N] position of each flat token
+    pad_index: torch.Tensor        # [N] index of each flat token in the padded [S * Q] layout
+    sample_index: torch.Tensor     # [M] flat index of the last token of each sampled sequence
+    window_mask: torch.Tensor      # [S, Q, Kw] query sees window key
+    visible: dict[int, torch.Tensor] = field(default_factory=dict)   # ratio -> [S, Q, Kc]
+    run_pos: dict[int, torch.Tensor] = field(default_factory=dict)   # ratio -> [J] first token of each completed run
+    rows: dict[str, Rows] = field(default_factory=dict)              # "group.use" -> rows
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """[N, ...] flat tokens -> [S, Q, ...] padded queries (zeros in the padding)."""
+        out = flat.new_zeros((self.num_seqs * self.max_q, *flat.shape[1:]))
+        out[self.pad_index] = flat
+        return out.view(self.num_seqs, self.max_q, *flat.shape[1:])
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded.reshape(self.num_seqs * self.max_q, *padded.shape[2:])[self.pad_index]
+
+
+@dataclass(frozen=True)
+class Compression:
+    """One compressed attention kind: its ratio, its state and output groups, whether windows overlap."""
+
+    ratio: int
+    states: tuple[str, ...]        # state ring groups, written per token
+    outputs: tuple[str, ...]       # compressed row groups, written per completed window
+    overlap: bool
+
+
+def block_table(spec: CacheGroupSpec, seqs: list[SeqStep]) -> torch.Tensor:
+    """[S, M] physical pages of each sequence's logical pages (ring: slots), -1 where none."""
+    lists = [s.block_tables.get(spec.name, []) for s in seqs]
+    table = torch.full((len(seqs), max(1, *map(len, lists))), -1, dtype=torch.long)
+    for i, pages in enumerate(lists):
+        table[i, :len(pages)] = torch.tensor(pages, dtype=torch.long)
+    return table
+
+
+def locate(spec: CacheGroupSpec, table: torch.Tensor, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor,
+           seqs: list[SeqStep]) -> Rows:
+    """Page and row of row number `row_pos` (tokens, or compressed rows) of sequence `seq`."""
+    row_pos = row_pos.clamp(min=0)
+    logical = row_pos // spec.rows_per_block
+    slot = logical % spec.max_blocks_per_seq if spec.is_ring else logical
+    inside = slot < table.shape[1]
+    page = torch.where(inside, table[seq, slot.clamp(max=table.shape[1] - 1)], -1)
+    missing = ok & (page < 0)
+    if missing.any():
+        i = int(missing.nonzero()[0][0]) if missing.dim() == 1 else tuple(missing.nonzero()[0].tolist())
+        raise ValueError(f"request {seqs[int(seq[i])].request_id!r}: cache group {spec.name!r} has no page for "
+                         f"row {int(row_pos[i])} (logical page {int(logical[i])}, block table index "
+                         f"{int(slot[i])})")
+    return Rows(page.clamp(min=0), row_pos % spec.rows_per_block, ok)
+
+
+def check_state_rings(model: ModelSpec, kinds: list[Compression], seqs: list[SeqStep]) -> None:
+    """Every compressor-state ring has a slot for each logical page the step touches (see state_span_pages);
+    the scheduler's block-aligned chunks always fit, a longer chunk from mid-window may not."""
+    for kind in kinds:
+        for name in kind.states:
+            spec = model.group(name)
+            for s in seqs:
+                need = state_span_pages(s.start_pos, len(s.token_ids), kind.ratio, spec.tokens_per_page, kind.overlap)
+                if need > spec.max_blocks_per_seq:
+                    raise ValueError(
+                        f"request {s.request_id!r}: a step of {len(s.token_ids)} tokens from position {s.start_pos} "
+                        f"touches {need} pages of ring {name!r}, which keeps {spec.max_blocks_per_seq}: start "
+                        f"multi-token steps on a block boundary (as the scheduler does) or shorten them")
+
+
+def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], device: torch.device) -> StepPlan:
+    seqs = batch.seqs
+    tif = model.layout.tokens_in_flight
+    for s in seqs:
+        if not 1 <= len(s.token_ids) <= tif or s.start_pos < 0:
+            raise ValueError(f"request {s.request_id!r}: a step computes 1..{tif} tokens (tokens_in_flight) "
+                             f"from start_pos >= 0, got {len(s.token_ids)} tokens at {s.start_pos}")
+    check_state_rings(model, kinds, seqs)
+    S = len(seqs)
+    lens = torch.tensor([len(s.token_ids) for s in seqs])
+    starts = torch.tensor([s.start_pos for s in seqs])
+    ends = starts + lens
+    Q = int(lens.max())
+    qvalid = torch.arange(Q)[None] < lens[:, None]                        # [S, Q]
+    qpos = starts[:, None] + torch.arange(Q)[None]                        # [S, Q]
+    pad_index = qvalid.flatten().nonzero().squeeze(1)
+    tok_seq, pos = pad_index // Q, qpos.flatten()[pad_index]
+    all_tokens = torch.ones_like(pos, dtype=torch.bool)
+    tables = {spec.name: block_table(spec, seqs) for spec in model.cache_groups}
+
+    def at(name: str, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor) -> Rows:
+        return locate(model.group(name), tables[name], seq, row_pos, ok, seqs)
+
+    # window keys: positions start - W + 1 .. end - 1 of each sequence
+    W = model.layout.sliding_window
+    kpos = starts[:, None] - (W - 1) + torch.arange(Q + W - 1)[None]      # [S, Kw]
+    kvalid = (kpos >= 0) & (kpos < ends[:, None])
+    dist = qpos[:, :, None] - kpos[:, None, :]
+    window_mask = qvalid[:, :, None] & kvalid[:, None, :] & (dist >= 0) & (dist < W)
+    seq_of = lambda t: torch.arange(S)[:, None].expand_as(t)  # noqa: E731
+    rows = {"ori.write": at("ori", tok_seq, pos, all_tokens), "ori.keys": at("ori", seq_of(kpos), kpos, kvalid)}
+    plan = StepPlan(S, Q, torch.tensor([t for s in seqs for t in s.token_ids]), pos, pad_index,
+                    torch.cumsum(lens, 0)[torch.tensor([s.sample for s in seqs], dtype=torch.bool)] - 1,
+                    window_mask)
+
+    for kind in kinds:
+        r = kind.ratio
+        # windows completing in this step: i in [start // r, end // r)
+        first, stop = starts // r, ends // r
+        run_seq = torch.repeat_interleave(torch.arange(S), stop - first)
+        offsets = torch.cumsum(stop - first, 0) - (stop - first)
+        run = first[run_seq] + torch.arange(len(run_seq)) - offsets[run_seq]
+        span = (2 if kind.overlap else 1) * r                              # overlap: the previous window too
+        run_tokens = (run[:, None] + 1) * r - span + torch.arange(span)[None]   # [J, span]
+        plan.run_pos[r] = run * r
+        for name in kind.states:
+            rows[f"{name}.write"] = at(name, tok_seq, pos, all_tokens)
+            rows[f"{name}.read"] = at(name, run_seq[:, None].expand_as(run_tokens), run_tokens, run_tokens >= 0)
+        # compressed rows 0 .. end // r - 1, visible once their window has ended
+        ci = torch.arange(int(stop.max()))[None].expand(S, -1)           # [S, Kc]
+        plan.visible[r] = qvalid[:, :, None] & ((ci[:, None, :] + 1) * r - 1 <= qpos[:, :, None])
+        for name in kind.outputs:
+            rows[f"{name}.write"] = at(name, run_seq, run, torch.ones_like(run, dtype=torch.bool))
+            rows[f"{name}.keys"] = at(name, seq_of(ci), ci, ci < stop[:, None])
+
+    plan.rows = {k: v.to(device) for k, v in rows.items()}
+    for name in ("token_ids", "pos", "pad_index", "sample_index", "window_mask"):
+        setattr(plan, name, getattr(plan, name).to(device))
+    plan.visible = {r: v.to(device) for r, v in plan.visible.items()}
+    plan.run_pos = {r: v.to(device) for r, v in plan.run_pos.items()}
+    return plan
+
+
+class PoolIO:
+    """Reads and writes rows of the runner's pools ([layers, pages, rows, width] per group)."""
+
+    def __init__(self, model: ModelSpec, pools: dict[str, torch.Tensor]):
+        self.model = model
+        self.pools = pools
+        self.layer_index = {s.name: {layer: i for i, layer in enumerate(s.layer_ids)} for s in model.cache_groups}
+
+    def read(self, group: str, layer: int, rows: Rows, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `width` values of each row, as dtype; zeros where rows.ok is False, so stale or NaN
+        contents of pages never leak into the math."""
+        spec, pool = self.model.group(group), self.pools[group]
+        raw = pool[self.layer_index[group][layer], rows.page, rows.row]
+        if pool.dtype.is_floating_point:
+            values = raw[..., :width].to(dtype)
+        else:   # int rows with an fp32 scale in the extra bytes
+            scale = raw[..., spec.row_width:].contiguous().view(torch.float32)
+            values = (raw[..., :width].float() * scale).to(dtype)
+        return torch.where(rows.ok[..., None], values, torch.zeros((), dtype=dtype, device=values.device))
+
+    def write(self, group: str, layer: int, rows: Rows, values: torch.Tensor) -> None:
+        pool = self.pools[group]
+        if pool.dtype.is_floating_point:
+            data = values.to(pool.dtype)
+        else:   # symmetric per-row quantization, fp32 scale stored inline after the row
+            qmax = torch.iinfo(pool.dtype).max
+            scale = values.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
+            q = (values.float() / scale).round().clamp(-qmax, qmax).to(pool.dtype)
+            data = torch.cat([q, scale.view(pool.dtype)], dim=-1)
+        pool[self.layer_index[group][layer], rows.page, rows.row, :data.shape[-1]] = data

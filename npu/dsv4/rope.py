@@ -1,0 +1,76 @@
+"""DeepSeek V4 RoPE: interleaved pairs of the trailing qk_rope_head_dim channels of a head.
+
+Window-only layers rotate with rope_theta; compressed layers (and their compressors and indexer) with
+compress_rope_theta and YaRN (frequency interpolation between beta_fast and beta_slow; no attention
+scaling, as released). The attention output's rope channels are rotated back (inverse) at the query position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from appliance.core.config import Layout
+
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def yarn_inv_freq(theta: float, dim: int, factor: float, original_max_positions: int, beta_fast: float,
+                  beta_slow: float) -> torch.Tensor:
+    """YaRN: the slow frequencies (past the correction range) are divided by `factor`, the fast ones kept,
+    with a linear ramp between (bounds truncated to whole dimensions)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """RoPE at fixed positions (cos and sin computed once, reused by every layer of a step)."""
+
+    cos: torch.Tensor           # [N, dim], each angle repeated for its pair
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the trailing `dim` channels of x [N, ..., width] (pairs 2i, 2i + 1); inverse rotates back."""
+        dim = self.cos.shape[-1]
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim,)
+        cos, sin = self.cos.view(shape), self.sin.view(shape)
+        keep, rope = x[..., : x.shape[-1] - dim], x[..., x.shape[-1] - dim:]
+        pairs = rope.unflatten(-1, (-1, 2))
+        rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        rotated = (rope.float() * cos + rotated_half.float() * (-sin if inverse else sin)).to(x.dtype)
+        return torch.cat([keep, rotated], dim=-1)
+
+
+@dataclass(frozen=True)
+class Rope:
+    inv_freq: torch.Tensor      # [dim / 2] float32, on the compute device
+    dtype: torch.dtype          # cos / sin are rounded to the compute dtype, as the released math does
+
+    def at(self, pos: torch.Tensor) -> Rotation:
+        angle = pos.to(torch.float32)[:, None] * self.inv_freq                  # [N, dim / 2]
+        return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1),
+                        angle.sin().to(self.dtype).repeat_interleave(2, dim=-1))
+
+
+def layer_ropes(layout: Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:
+    """{False: window-only layers' RoPE, True: compressed layers' RoPE (YaRN when the layout sets it)}."""
+    dim = layout.qk_rope_head_dim
+    compress = (yarn_inv_freq(layout.compress_rope_theta, dim, layout.yarn_factor,
+                              layout.yarn_original_max_position_embeddings, layout.yarn_beta_fast,
+                              layout.yarn_beta_slow)
+                if layout.yarn_factor else default_inv_freq(layout.compress_rope_theta, dim))
+    return {False: Rope(default_inv_freq(layout.rope_theta, dim).to(device), dtype),
+            True: Rope(compress.to(device), dtype)}
