@@ -32,7 +32,6 @@ from appliance.core.config import (
     freeze,
 )
 from appliance.core.errors import ConfigError, ConfigIssue
-from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 from appliance.core.kv_cache_spec import (
     DTYPE_BYTES,
     FULL,
@@ -42,6 +41,7 @@ from appliance.core.kv_cache_spec import (
     ring_blocks,
 )
 from appliance.core.logs import FORMATS, LEVELS
+from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")

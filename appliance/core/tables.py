@@ -92,7 +92,7 @@ def parameter_table(counts: ParameterCounts) -> str:
     rows = [("total (main model)", counts.total, billions(counts.total)),
             ("active per token (embedding and head included)", counts.active, billions(counts.active)),
             ("MTP layers (held, not served)", counts.mtp, billions(counts.mtp)),
-            ("checkpoint bytes: replicated", counts.replicated_bytes, gib(counts.replicated_bytes)),
-            ("checkpoint bytes: routed experts", counts.expert_bytes, gib(counts.expert_bytes)),
-            ("checkpoint bytes: all", counts.total_bytes, gib(counts.total_bytes))]
+            ("checkpoint bytes: replicated", counts.replicated_bytes, human_bytes(counts.replicated_bytes)),
+            ("checkpoint bytes: routed experts", counts.expert_bytes, human_bytes(counts.expert_bytes)),
+            ("checkpoint bytes: all", counts.total_bytes, human_bytes(counts.total_bytes))]
     return format_table(["parameters", "count", ""], rows)

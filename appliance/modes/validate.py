@@ -12,7 +12,6 @@ from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.config import RuntimeConfig
 from appliance.core.tables import cache_group_table, parameter_table
 
-
 RANDOM_WEIGHTS_NOTE = ("random weights: the text it generates is meaningless; serve a checkpoint with "
                        "model.weights=DIR (config.json, *.safetensors, tokenizer.json)")
 

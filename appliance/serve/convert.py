@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from appliance.core.planner import CapacityPlan, DeviceBudget, GroupPlan
 from appliance.core.request import (
     FinishReason,
     RequestError,
@@ -15,7 +16,6 @@ from appliance.core.request import (
     SamplingParams,
     Usage,
 )
-from appliance.core.planner import CapacityPlan, DeviceBudget, GroupPlan
 from appliance.core.startup_report import StartupReport
 from appliance.engine.stats import EngineStats, HistogramSnapshot
 from appliance.serve.api import appliance_pb2 as pb

@@ -43,7 +43,6 @@ from appliance.modes.results import write_result
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.api import appliance_pb2_grpc as pb_grpc
 from appliance.serve.auth import BearerTokenInterceptor
-from appliance.serve.malformed import MalformedRequestInterceptor
 from appliance.serve.convert import (
     generate_response,
     request_prompt,
@@ -52,6 +51,7 @@ from appliance.serve.convert import (
     stats_response,
 )
 from appliance.serve.http import HttpBindError, HttpFrontEnd
+from appliance.serve.malformed import MalformedRequestInterceptor
 from appliance.serve.streams import open_stream
 from appliance.serve.tls import load_tls_pair
 

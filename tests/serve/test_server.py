@@ -24,7 +24,6 @@ from appliance.client import ApplianceClient
 from appliance.client import main as client_main
 from appliance.config.compose import load_runtime_config
 from appliance.core.planner import InsufficientMemoryError
-from appliance.core.units import human_bytes
 from appliance.core.request import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
@@ -34,6 +33,7 @@ from appliance.core.request import (
     RequestOutput,
     Usage,
 )
+from appliance.core.units import human_bytes
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
 from appliance.serve.server import ApplianceServer, ServerBindError
