@@ -211,20 +211,6 @@ class Qwen3Runner(ModelRunner):
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
 
-    # -- profiling ---------------------------------------------------------------------------------
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        """max_num_tokens tokens over min(max_num_seqs, max_num_tokens) sequences, each at the end of a
-        full-length context (so attention reads the longest history), every page a scratch page."""
-        if self.num_scratch < 1:
-            raise RuntimeError("profile_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
-        max_ctx = self.spec.max_blocks_per_seq * self.block_size
-        pages = self.spec.max_blocks_per_seq
-        seqs = []
-        for i, length in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, max_ctx)):
-            table = [self.scratch_page(KV, (i + j) % self.num_scratch) for j in range(pages)]
-            seqs.append(SeqStep(f"profile-{i}", [0] * length, max_ctx - length, {KV: table}, sample=True))
-        return StepBatch(seqs)
-
 
 @dataclass
 class _Prefill:

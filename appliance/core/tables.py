@@ -44,12 +44,13 @@ def cache_group_table(specs: Sequence[CacheGroupSpec], max_model_len: int, decod
 
 
 def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan") -> str:
-    dev_rows = [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.peak_non_kv_bytes), gib(d.usable_bytes),
-                 gib(d.budget_bytes), gib(d.headroom_bytes)) for d in plan.devices]
+    dev_rows = [(d.name, gib(d.total_bytes), gib(d.free_bytes), gib(d.usable_bytes), gib(d.peak_non_kv_bytes),
+                 gib(d.non_torch_margin_bytes), gib(d.budget_bytes), gib(d.headroom_bytes)) for d in plan.devices]
     # Identical devices collapse to one row so that a 16-device profile stays readable.
     if len({r[1:] for r in dev_rows}) == 1 and len(dev_rows) > 1:
         dev_rows = [(f"{dev_rows[0][0]} (x{len(dev_rows)} identical)",) + dev_rows[0][1:]]
-    devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"], dev_rows)
+    devices = format_table(["device", "total", "free", "total x util", "- peak_non_kv", "- non-torch margin",
+                            "= budget", "headroom"], dev_rows)
     groups = format_table(
         ["group", "history", "layers", "page bytes", "blocks/seq", "num_blocks", "bytes", "share of budget"],
         [(g.name, g.history, g.num_layers, g.page_size_bytes, g.max_blocks_per_seq, g.num_blocks, g.bytes,

@@ -1,7 +1,8 @@
 """The engine: a loop thread that schedules, runs the device step, samples, streams, and frees.
 
 Thread model: callers (gRPC handlers, the offline API) only touch the thread-safe inbox (`submit`,
-`abort`); the loop thread owns the scheduler, the KvCacheManager and the device runner.
+`abort`); the loop thread owns the scheduler, the KvCacheManager and the device runner, and makes the
+runner's device its current device first (the CUDA and NPU runtimes keep one per thread).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from appliance.core.tokenizer import load_tokenizer_for
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
-from npu.launcher import launch
+from npu.backends import Backend, select_backend
+from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler
 from npu.step import SeqStep, StepBatch
 
@@ -56,8 +58,10 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, rc: RuntimeConfig):
+    def __init__(self, rc: RuntimeConfig, backend: Backend | None = None):
+        """backend: the device backend to start on (default: select_backend(rc.device) in start())."""
         self.rc = rc
+        self.backend = backend
         self.report: StartupReport | None = None
         self.tokenizer = None
         self.kv_cache_manager = None
@@ -81,7 +85,8 @@ class Engine:
     def start(self) -> StartupReport:
         """Launch the device plane (weights, profile, plan, allocate), size the KV manager, start the loop."""
         self.tokenizer = load_tokenizer_for(self.rc.model)
-        runner, report = launch(self.rc)
+        self.backend = self.backend or select_backend(self.rc.device)
+        runner, report = launch(self.rc, self.backend)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
         manager.initialize_from_plan(report.plan)
@@ -161,6 +166,7 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.backend.set_device(RUNNER_DEVICE)
         sched = self.scheduler
         by_id: dict[str, Sequence] = {}
         while not self._stop.is_set():

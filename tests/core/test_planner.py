@@ -114,8 +114,10 @@ def test_make_plan_uses_profile_and_given_peak():
     rc = load_runtime_config(["+model=dsv4", "mode=plan", "device=ascend_a3", "max_model_len=8192",
                               f"plan.peak_non_kv_bytes={30 * GiB}"])
     p = make_plan(rc)
-    assert len(p.devices) == 16 and all(d.total_bytes == 64 * GiB for d in p.devices)
-    assert p.budget_bytes == int(64 * GiB * 0.9) - 30 * GiB
+    a3 = 65_787_658_240                        # what the runtime reports for one A3 die
+    assert len(p.devices) == 16 and all(d.total_bytes == a3 for d in p.devices)
+    assert all(d.non_torch_margin_bytes == GiB for d in p.devices)      # conf/device/ascend_a3.yaml
+    assert p.budget_bytes == int(a3 * 0.9) - 30 * GiB - GiB
 
 
 def test_cli_plan_prints_table_and_writes_json(cli, tmp_path):
