@@ -97,8 +97,8 @@ class FakeNpuRuntime:
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds `torch_npu`; executing it registers torch.npu, or raises what the test asked for."""
 
-    def __init__(self, runtime: FakeNpuRuntime | None, error: BaseException | None):
-        self.runtime, self.error = runtime, error
+    def __init__(self, runtime: FakeNpuRuntime | None, error: BaseException | None, attrs: dict):
+        self.runtime, self.error, self.attrs = runtime, error, attrs
 
     def find_spec(self, name, path=None, target=None):
         return importlib.machinery.ModuleSpec(name, self) if name == "torch_npu" else None
@@ -110,11 +110,14 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if self.error is not None:
             raise self.error
         torch.npu = self.runtime                    # what the real torch_npu does on import
+        module.__dict__.update(self.attrs)
 
 
-def install(monkeypatch, runtime: FakeNpuRuntime | None = None, error: BaseException | None = None) -> None:
-    """Make `import torch_npu` find the fake (undone by monkeypatch at the end of the test)."""
+def install(monkeypatch, runtime: FakeNpuRuntime | None = None, error: BaseException | None = None,
+            **attrs) -> None:
+    """Make `import torch_npu` find the fake, with `attrs` (e.g. kernels) on the module; undone by monkeypatch
+    at the end of the test."""
     monkeypatch.setitem(sys.modules, "torch_npu", None)      # so that undo removes what the import adds
     del sys.modules["torch_npu"]
     monkeypatch.setattr(torch, "npu", None, raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_Finder(runtime, error)] + sys.meta_path)
+    monkeypatch.setattr(sys, "meta_path", [_Finder(runtime, error, attrs)] + sys.meta_path)
