@@ -157,8 +157,8 @@ class Qwen3Runner(ModelRunner):
         """One layer's pool as [2 * pages, block_size, kv_heads * head_dim]: contiguous storage, no copy."""
         return pool[layer].view(-1, self.block_size, self.num_kv_heads * self.head_dim)
 
-    def _gather(self, pool: torch.Tensor, layer: int, planes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of some pages for one layer, each [len(pages) * block_size, kv_heads, head_dim] and contiguous.
+    def _gather(self, pool: torch.Tensor, layer: int, planes: torch.Tensor, seqs: int) -> torch.Tensor:
+        """K and V of some pages for one layer: [2 (K, V), seqs, pages per seq * block_size, kv_heads, head_dim].
         `planes` lists the pages' K planes, then their V planes (2p, then 2p + 1); they are copied from the
         layer's contiguous storage into a buffer reused across layers and steps (a fresh multi-MB tensor per
         layer costs more in page faults on CPU than the copy)."""
@@ -167,9 +167,8 @@ class Qwen3Runner(ModelRunner):
         if self._kv_buf.numel() < numel or self._kv_buf.dtype != src.dtype:
             self._kv_buf = torch.empty(numel, dtype=src.dtype, device=self.device)
         out = torch.index_select(src, 0, planes, out=self._kv_buf[:numel].view(planes.numel(), *src.shape[1:]))
-        out = out.view(2, -1, self.num_kv_heads, self.head_dim)
-        k, v = out if out.dtype == self.dtype else out.to(self.dtype)
-        return k, v
+        out = out.view(2, seqs, -1, self.num_kv_heads, self.head_dim)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # -- step --------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -188,9 +187,9 @@ class Qwen3Runner(ModelRunner):
         layer_stride, page_stride = pool.stride(0) // half, pool.stride(1) // half
         meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], page_stride, self._arange, self.device,
                                fused=self.fused_attention is not None)
-        # K-plane row of every token, per layer: [layers, tokens]; its V row is block_size rows further
-        k_rows = meta.write_rows + self._arange(len(self.layers))[:, None] * layer_stride
-        v_rows = k_rows + self.block_size
+        # rows of every token's K and V (block_size rows further, in the V plane), per layer: [layers, tokens, 2]
+        kv_rows = (meta.write_rows[:, None] + self._arange(2 * self.block_size)[::self.block_size]
+                   + self._arange(len(self.layers))[:, None, None] * layer_stride)
         cos, sin = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
@@ -202,8 +201,7 @@ class Qwen3Runner(ModelRunner):
             t = F.rms_norm(qk, (hd,), eps=self.eps).mul_(layer.qk_norm)
             swapped = t.view(n, nh + kvh, 2, hd // 2).flip(2).view(n, nh + kvh, hd)
             torch.add(t.mul_(cos), swapped.mul_(sin), out=qk)
-            rows.index_copy_(0, k_rows[li], qkv[:, nh * hd:(nh + kvh) * hd].to(rows.dtype))
-            rows.index_copy_(0, v_rows[li], qkv[:, (nh + kvh) * hd:].to(rows.dtype))
+            rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
             q = qkv[:, :nh * hd].view(n, nh, hd)
             if self.fused_attention is not None:
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
@@ -223,8 +221,7 @@ class Qwen3Runner(ModelRunner):
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         parts = []                                     # attention output of rows 0..n-1, in order
         for d in meta.decodes:                         # decode rows come first in the flat batch
-            k, v = self._gather(pool, li, d.planes)
-            kd, vd = (t.view(d.count, -1, kvh, hd)[:, :d.ctx].transpose(1, 2) for t in (k, v))  # [count, kvh, ctx, hd]
+            kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
             qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
             parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
         for p in meta.prefills:
@@ -234,8 +231,7 @@ class Qwen3Runner(ModelRunner):
                 kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                k, v = self._gather(pool, li, p.planes)
-                kp, vp = (t[:p.ctx].view(1, p.ctx, kvh, hd).transpose(1, 2) for t in (k, v))
+                kp, vp = self._gather(pool, li, p.planes, 1)[:, :, :p.ctx].transpose(2, 3)   # [1, kvh, ctx, hd]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             parts.append(op.transpose(1, 2).reshape(p.count * p.length, nh, hd))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -291,9 +287,10 @@ def _causal_mask(cols: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return cols[None, :] <= positions[:, None]
 
 
-def _planes(pages: torch.Tensor) -> torch.Tensor:
+def _planes(pages: list[int]) -> list[int]:
     """Plane ids of pages in a layer's [2 * pages, ...] view: every K plane (2p), then every V plane (2p + 1)."""
-    return torch.cat((2 * pages, 2 * pages + 1))
+    k_planes = [p << 1 for p in pages]
+    return k_planes + [k | 1 for k in k_planes]
 
 
 @dataclass
@@ -302,7 +299,7 @@ class _StepMeta:
 
     Integer fields are computed on the host in plain Python and converted as one tensor through
     array.array (torch.tensor(list) is several times slower), which also makes one host-to-device copy
-    on accelerators; page ids are range-checked there by one min/max."""
+    on accelerators; page ids are range-checked there."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -345,30 +342,31 @@ class _StepMeta:
         last_row = [0] * len(seqs)              # flat row of each sequence's last token
         for r, (i, _, _) in enumerate(dec):
             last_row[i] = r
-        pages: list[int] = []
+        planes: list[int] = []                  # per decode bucket, then per chunk: see _planes
         widths = []
         for lo, hi in buckets:
             widths.append(max(len(used) for _, _, used in dec[lo:hi]))
-            for _, _, used in dec[lo:hi]:
-                pages += used
-                pages += [0] * (widths[-1] - len(used))
+            planes += _planes([p for _, _, used in dec[lo:hi] for p in used + [0] * (widths[-1] - len(used))])
         for i, s, used in chunks:
             end = s.start_pos + len(s.token_ids)
             tokens += s.token_ids
             positions += range(s.start_pos, end)
             rows += [used[p // block_size] * page_stride + p % block_size for p in range(s.start_pos, end)]
-            pages += used
+            if s.start_pos > 0:
+                planes += _planes(used)
             last_row[i] = len(tokens) - 1
         sample = [last_row[i] for i, s in enumerate(seqs) if s.sample]
         n = len(tokens)
         all_rows = len(sample) == n and sample == list(range(n))   # then no index_select at the end
-        host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)
-        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(pages)]))
-        if lo < 0 or hi >= num_pages:           # one check per step; name the culprit only on failure
+        host = torch.frombuffer(array.array("q", tokens + positions + rows + planes + sample), dtype=torch.long)
+        # Pages a step reads are in `planes` (one min/max checks them all); chunks from position 0 read none.
+        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(planes)])) if planes else (0, 0)
+        if lo < 0 or hi >= 2 * num_pages or any(not 0 <= min(used) <= max(used) < num_pages
+                                                 for _, s, used in chunks if s.start_pos == 0):
             bad = next(s for _, s, used in dec + chunks if not 0 <= min(used) <= max(used) < num_pages)
             raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "
                              f"in {bad.block_tables[KV]}")
-        t_tok, t_pos, t_rows, t_pages, t_sample = host.to(device).split([n, n, n, len(pages), len(sample)])
+        t_tok, t_pos, t_rows, t_planes, t_sample = host.to(device).split([n, n, n, len(planes), len(sample)])
 
         decodes, at = [], 0
         for (lo, hi), width in zip(buckets, widths):
@@ -376,20 +374,20 @@ class _StepMeta:
             mask = None
             if first != last:
                 mask = _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
-            decodes.append(_Decode(lo, hi - lo, _planes(t_pages[at:at + (hi - lo) * width]), last + 1, mask))
-            at += (hi - lo) * width
+            decodes.append(_Decode(lo, hi - lo, t_planes[at:at + 2 * (hi - lo) * width], last + 1, mask))
+            at += 2 * (hi - lo) * width
         prefills: list[_Prefill] = []
         for i, s, used in chunks:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
             if s.start_pos > 0:
                 mask = _causal_mask(arange(end), t_pos[first:first + length])
-                prefills.append(_Prefill(first, 1, length, _planes(t_pages[at:at + len(used)]), end, mask))
+                prefills.append(_Prefill(first, 1, length, t_planes[at:at + 2 * len(used)], end, mask))
+                at += 2 * len(used)
             elif prefills and prefills[-1].planes is None and prefills[-1].length == length:
                 prefills[-1].count += 1
             else:
                 prefills.append(_Prefill(first, 1, length))
-            at += len(used)
         fused_step = _fused_step([e[1:] for e in dec + chunks], device) if fused else None
         return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills,
                          fused_step)
