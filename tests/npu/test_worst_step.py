@@ -76,29 +76,25 @@ def step_peak(runner, batch: StepBatch, sample: bool = True) -> int:
         return tracker.peak_bytes
 
 
-class Pages:
-    """Real pages for hand-built steps: each sequence its own, wrapping around the pool if it is small."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.next = {s.name: 0 for s in runner.model.cache_groups}
-
-    def tables(self, end: int) -> dict[str, list[int]]:
-        out = {}
-        for spec in self.runner.model.cache_groups:
-            n = spec.max_blocks_per_seq if spec.is_ring else -(-end // spec.tokens_per_page)
-            total = self.runner.num_blocks[spec.name]
-            out[spec.name] = [(self.next[spec.name] + j) % total for j in range(n)]
-            self.next[spec.name] += n
-        return out
+def build(rc, kv, seqs: list[tuple[int, int]], seed: int = 0) -> StepBatch:
+    """A step of (tokens, start_pos) sequences with random token ids, on pages a KvCacheManager hands out as
+    it would in the engine: each sequence's history is allocated and committed in chunks first."""
+    rng, chunk, vocab = random.Random(seed), step_limits(rc).max_chunk, rc.model.layout.vocab_size
+    steps = []
+    for i, (n, start) in enumerate(seqs):
+        rid, tokens = f"r{i}", [rng.randrange(3, vocab) for _ in range(start + n)]
+        for done in range(0, start, chunk):
+            kv.allocate(rid, tokens, min(chunk, start - done))
+            kv.commit(rid, min(done + chunk, start))
+        kv.allocate(rid, tokens, n)
+        steps.append(SeqStep(rid, tokens[start:], start, kv.block_tables(rid)))
+    return StepBatch(steps, new_pages=kv.take_new_pages())
 
 
-def build(runner, seqs: list[tuple[int, int]], seed: int = 0) -> StepBatch:
-    """A step of (tokens, start_pos) sequences on real pages, with random token ids."""
-    rng, pages = random.Random(seed), Pages(runner)
-    vocab = runner.model.layout.vocab_size
-    return StepBatch([SeqStep(f"r{i}", [rng.randrange(3, vocab) for _ in range(n)], start, pages.tables(start + n))
-                      for i, (n, start) in enumerate(seqs)])
+def manager(rc, report) -> KvCacheManager:
+    kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=False)
+    kv.initialize_from_plan(report.plan)
+    return kv
 
 
 def extreme_steps(rc) -> dict[str, list[tuple[int, int]]]:
@@ -125,15 +121,17 @@ def test_extreme_steps_peak_within_the_profiled_bound(started, name):
     assert sum(n for n, _ in seqs) <= limits.max_tokens and len(seqs) <= limits.max_seqs
     assert sum(1 for n, _ in seqs if n == 1) <= limits.max_decode_rows
     assert all(n <= limits.max_chunk and start + n < rc.max_model_len for n, start in seqs)
-    assert step_peak(runner, build(runner, seqs)) <= bound(report)
+    assert step_peak(runner, build(rc, manager(rc, report), seqs)) <= bound(report)
 
 
 def test_the_old_even_profile_would_not_have_bounded_the_long_chunk(started):
     """Guards the test itself: the whole budget in one sequence costs more than the budget spread out."""
-    rc, runner, _ = started
+    rc, runner, report = started
     steps = extreme_steps(rc)
-    long_chunk = step_peak(runner, build(runner, steps["one sequence, whole budget, full context"]), sample=False)
-    spread = step_peak(runner, build(runner, steps["budget spread evenly (the old profile)"]), sample=False)
+    long_chunk = step_peak(runner, build(rc, manager(rc, report), steps["one sequence, whole budget, full context"]),
+                           sample=False)
+    spread = step_peak(runner, build(rc, manager(rc, report), steps["budget spread evenly (the old profile)"]),
+                       sample=False)
     assert long_chunk > spread
 
 
@@ -141,8 +139,7 @@ def test_scheduled_workload_stays_within_the_bound(started):
     """A real Scheduler and KvCacheManager: long and short prompts arriving together, chunked prefills next to
     decodes, up to max_model_len; every step and its sampling peak within the bound."""
     rc, runner, report = started
-    kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=rc.enable_prefix_caching)
-    kv.initialize_from_plan(report.plan)
+    kv = manager(rc, report)
     sched = Scheduler(rc, kv)
     rng = random.Random(3)
     vocab = rc.model.layout.vocab_size
@@ -205,3 +202,15 @@ def test_scratch_batch_needs_scratch_pages():
     runner.allocate_pools({"kv": 4}, 0)
     with pytest.raises(RuntimeError, match="scratch_batch needs scratch pages"):
         runner.scratch_batch(StepShape("x", (SeqShape(3, 0),)))
+
+
+def test_the_sampler_at_its_largest_batch_is_within_the_bound():
+    """A vocabulary large next to the step's activations: sampling every sequence of a step with top-k and
+    top-p (a full sort of each row) peaks above the model step, so the profile must have run the sampler."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.vocab_size=32768", "device=cpu",
+                              f"device.memory_bytes_per_device={256 * MiB}", *LIMITS])
+    runner, report = launch(rc, CpuBackend(memory_bytes_per_device=256 * MiB))
+    rows = step_limits(rc).max_sampled_rows
+    batch = build(rc, manager(rc, report), [(2, 0)] * rows)          # every sequence of the step samples
+    assert step_peak(runner, batch, sample=False) < step_peak(runner, batch) <= bound(report)
+    runner.free_pools()
