@@ -7,7 +7,6 @@ without its math. Together they plan a 16 x 64 GiB startup on a laptop.
 
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import torch
@@ -51,11 +50,6 @@ class FakeBackend(Backend):
         self.probe = probe
         self._device = torch.device(tensor_device)
         self.resets = 0
-        self.current_device: dict[str, int] = {}     # thread name -> the device it made current
-
-    def set_device(self, index: int) -> None:
-        super().set_device(index)
-        self.current_device[threading.current_thread().name] = index
 
     def torch_device(self, index: int = 0) -> torch.device:
         self._indices(index)
