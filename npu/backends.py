@@ -168,7 +168,7 @@ def import_torch_npu() -> Any:
     sourced, raises RuntimeError or OSError on import, and device=auto must still fall back to cuda or cpu."""
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
+    except Exception as exc:  # any exception: see the docstring
         raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable "
                                       f"({type(exc).__name__}: {exc}): {NPU_INSTALL_HINT}") from exc
     return torch.npu  # type: ignore[attr-defined]

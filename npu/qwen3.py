@@ -216,7 +216,7 @@ class Qwen3Runner(ModelRunner):
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
 
-    def _attend(self, pool: torch.Tensor, li: int, qkv: torch.Tensor, q: torch.Tensor, meta: "_StepMeta") -> torch.Tensor:
+    def _attend(self, pool: torch.Tensor, li: int, qkv: torch.Tensor, q: torch.Tensor, meta: _StepMeta) -> torch.Tensor:
         """Attention of every row of the flat batch over layer li with SDPA: [n, heads, head_dim]."""
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         parts = []                                     # attention output of rows 0..n-1, in order

@@ -137,7 +137,7 @@ def check_free_memory(devices: Sequence[DeviceMemory], utilization: float) -> No
 UNEXPLAINED_FAILURE_SHRINK = 8
 
 
-def slots_that_fit(plan: "CapacityPlan", devices: Sequence[DeviceMemory], free_bytes: Sequence[int],
+def slots_that_fit(plan: CapacityPlan, devices: Sequence[DeviceMemory], free_bytes: Sequence[int],
                    held_bytes: Sequence[int]) -> int:
     """Capacity slots the devices can still take after an allocation of `plan` failed, from what they report
     once the pools are freed: per device, free - margin - the activation peak still to come (peak_non_kv -

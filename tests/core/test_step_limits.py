@@ -29,7 +29,7 @@ def test_worst_steps_are_legal_and_reach_every_extreme(limits):
         assert sum(s.num_tokens == 1 for s in step.seqs) <= limits.max_decode_rows
         assert all(1 <= s.num_tokens <= limits.max_chunk and s.start_pos >= 0 and s.end <= limits.max_context
                    for s in step.seqs)
-    assert list(steps)[0] == "decode_gather"               # buffers kept between steps grow to their largest first
+    assert next(iter(steps)) == "decode_gather"               # buffers kept between steps grow to their largest first
     gather = steps["decode_gather"].seqs
     assert len(gather) == limits.max_decode_rows and all(s.end == limits.max_context for s in gather)
     if limits.max_chunk >= 2:

@@ -183,7 +183,7 @@ def test_every_worst_step_runs_on_scratch_pages_only(model):
     for pool in runner.pools.values():
         pool[:, :4].fill_(float("nan"))
     steps = worst_steps(step_limits(rc))
-    assert [s.name for s in steps][0] == "decode_gather"
+    assert steps[0].name == "decode_gather"
     for step in steps:
         batch = runner.scratch_batch(step)
         assert [(len(s.token_ids), s.start_pos) for s in batch.seqs] == [(s.num_tokens, s.start_pos) for s in step.seqs]
