@@ -73,6 +73,8 @@ class Qwen3Runner(ModelRunner):
         self._rope_table = torch.empty(0, 2, self.head_dim, device=self.device, dtype=self.dtype)
         self._kv_buf = torch.empty(0, device=self.device)     # reused by _gather
         self._cols = torch.arange(256, device=self.device)    # sliced by _arange
+        self._parity = torch.arange(2, device=self.device)[:, None]   # K plane (0) / V plane (1) of a page
+        self._kv_offsets: torch.Tensor | None = None          # see _row_offsets
         op = fused_attention_op(self.device, self.dtype, self.block_size)
         self.fused_attention = None if op is None else FusedPagedAttention(
             op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
@@ -133,6 +135,7 @@ class Qwen3Runner(ModelRunner):
     def free_pools(self) -> None:
         super().free_pools()
         self._kv_buf = torch.empty(0, device=self.device)     # the gather workspace goes with the pools
+        self._kv_offsets = None
 
     # -- rope --------------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +149,15 @@ class Qwen3Runner(ModelRunner):
             self._rope_table = torch.stack((emb.cos(), signed), dim=1).to(self.dtype)   # [n, 2, head_dim]
         cos, sin = self._rope_table.index_select(0, positions).unsqueeze(2).unbind(1)
         return cos, sin
+
+    def _row_offsets(self, pool: torch.Tensor) -> torch.Tensor:
+        """[layers, 1, 2]: what to add to a token's K-plane row in layer 0 for its K and V rows in every layer
+        (V is block_size rows further, in the V plane). From the pool's strides, once per pool."""
+        if self._kv_offsets is None:
+            layer_stride = pool.stride(0) // (self.num_kv_heads * self.head_dim)
+            layers = torch.arange(len(self.layers), device=self.device)[:, None, None] * layer_stride
+            self._kv_offsets = layers + self._parity.view(1, 1, 2) * self.block_size
+        return self._kv_offsets
 
     def _arange(self, n: int) -> torch.Tensor:
         """0..n-1 on the device, a slice of a cached tensor (masks and row offsets are built from it)."""
@@ -184,12 +196,9 @@ class Qwen3Runner(ModelRunner):
             raise ValueError("the kv pool must be contiguous")
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
         rows = pool.view(-1, half)
-        layer_stride, page_stride = pool.stride(0) // half, pool.stride(1) // half
-        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], page_stride, self._arange, self.device,
-                               fused=self.fused_attention is not None)
-        # rows of every token's K and V (block_size rows further, in the V plane), per layer: [layers, tokens, 2]
-        kv_rows = (meta.write_rows[:, None] + self._arange(2 * self.block_size)[::self.block_size]
-                   + self._arange(len(self.layers))[:, None, None] * layer_stride)
+        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, self._arange,
+                               self._parity, self.device, fused=self.fused_attention is not None)
+        kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
         cos, sin = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
@@ -287,19 +296,13 @@ def _causal_mask(cols: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return cols[None, :] <= positions[:, None]
 
 
-def _planes(pages: list[int]) -> list[int]:
-    """Plane ids of pages in a layer's [2 * pages, ...] view: every K plane (2p), then every V plane (2p + 1)."""
-    k_planes = [p << 1 for p in pages]
-    return k_planes + [k | 1 for k in k_planes]
-
-
 @dataclass
 class _StepMeta:
     """Flat token batch (decode tokens first, then prefill chunks) and index data, built once per step.
 
     Integer fields are computed on the host in plain Python and converted as one tensor through
     array.array (torch.tensor(list) is several times slower), which also makes one host-to-device copy
-    on accelerators; page ids are range-checked there."""
+    on accelerators; page ids are range-checked there by one min/max."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -313,7 +316,8 @@ class _StepMeta:
 
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int,
-              arange: Callable[[int], torch.Tensor], device: torch.device, fused: bool = False) -> "_StepMeta":
+              arange: Callable[[int], torch.Tensor], parity: torch.Tensor, device: torch.device,
+              fused: bool = False) -> "_StepMeta":
         dec: list[tuple[int, SeqStep, list[int]]] = []     # (index in batch, seq, pages covering its context)
         chunks: list[tuple[int, SeqStep, list[int]]] = []
         for i, s in enumerate(seqs):
@@ -342,31 +346,33 @@ class _StepMeta:
         last_row = [0] * len(seqs)              # flat row of each sequence's last token
         for r, (i, _, _) in enumerate(dec):
             last_row[i] = r
-        planes: list[int] = []                  # per decode bucket, then per chunk: see _planes
+        pages: list[int] = []
         widths = []
         for lo, hi in buckets:
             widths.append(max(len(used) for _, _, used in dec[lo:hi]))
-            planes += _planes([p for _, _, used in dec[lo:hi] for p in used + [0] * (widths[-1] - len(used))])
+            for _, _, used in dec[lo:hi]:
+                pages += used
+                pages += [0] * (widths[-1] - len(used))
         for i, s, used in chunks:
             end = s.start_pos + len(s.token_ids)
             tokens += s.token_ids
             positions += range(s.start_pos, end)
             rows += [used[p // block_size] * page_stride + p % block_size for p in range(s.start_pos, end)]
-            if s.start_pos > 0:
-                planes += _planes(used)
+            pages += used
             last_row[i] = len(tokens) - 1
         sample = [last_row[i] for i, s in enumerate(seqs) if s.sample]
         n = len(tokens)
         all_rows = len(sample) == n and sample == list(range(n))   # then no index_select at the end
-        host = torch.frombuffer(array.array("q", tokens + positions + rows + planes + sample), dtype=torch.long)
-        # Pages a step reads are in `planes` (one min/max checks them all); chunks from position 0 read none.
-        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(planes)])) if planes else (0, 0)
-        if lo < 0 or hi >= 2 * num_pages or any(not 0 <= min(used) <= max(used) < num_pages
-                                                 for _, s, used in chunks if s.start_pos == 0):
+        host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)
+        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(pages)]))
+        if lo < 0 or hi >= num_pages:           # one check per step; name the culprit only on failure
             bad = next(s for _, s, used in dec + chunks if not 0 <= min(used) <= max(used) < num_pages)
             raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "
                              f"in {bad.block_tables[KV]}")
-        t_tok, t_pos, t_rows, t_planes, t_sample = host.to(device).split([n, n, n, len(planes), len(sample)])
+        t_tok, t_pos, t_rows, t_pages, t_sample = host.to(device).split([n, n, n, len(pages), len(sample)])
+        # Plane ids in a layer's [2 * pages, ...] view: row 0 the K planes (2p), row 1 the V planes (2p + 1). A
+        # run of pages [a, b) is read as planes[:, a:b] flattened: K planes, then V planes (a view for one run).
+        planes = t_pages * 2 + parity                   # parity: [[0], [1]]
 
         decodes, at = [], 0
         for (lo, hi), width in zip(buckets, widths):
@@ -374,20 +380,20 @@ class _StepMeta:
             mask = None
             if first != last:
                 mask = _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
-            decodes.append(_Decode(lo, hi - lo, t_planes[at:at + 2 * (hi - lo) * width], last + 1, mask))
-            at += 2 * (hi - lo) * width
+            decodes.append(_Decode(lo, hi - lo, planes[:, at:at + (hi - lo) * width].reshape(-1), last + 1, mask))
+            at += (hi - lo) * width
         prefills: list[_Prefill] = []
         for i, s, used in chunks:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
             if s.start_pos > 0:
                 mask = _causal_mask(arange(end), t_pos[first:first + length])
-                prefills.append(_Prefill(first, 1, length, t_planes[at:at + 2 * len(used)], end, mask))
-                at += 2 * len(used)
+                prefills.append(_Prefill(first, 1, length, planes[:, at:at + len(used)].reshape(-1), end, mask))
             elif prefills and prefills[-1].planes is None and prefills[-1].length == length:
                 prefills[-1].count += 1
             else:
                 prefills.append(_Prefill(first, 1, length))
+            at += len(used)
         fused_step = _fused_step([e[1:] for e in dec + chunks], device) if fused else None
         return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills,
                          fused_step)
