@@ -5,7 +5,11 @@
 
 Prefill: B sequences, each a prompt chunk of --prompt-len tokens from position 0 (deepseek_v4 caps a
 chunk at layout.tokens_in_flight). Decode: B sequences, one token each at position --context.
-Each sequence has its own pages. Prints a markdown table, the command and the machine.
+Mixed decode: B decode rows whose contexts alternate between --context and 3/4 of it (one padded batch
+with a mask). Cached chunk: B chunks of --prompt-len tokens after --context cached tokens (a later chunk
+or a prefix-cache hit: attention over pages with an offset-causal mask). The last two are the steps whose
+attention takes a mask. Each sequence has its own pages. Prints a markdown table, the command and the
+machine.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def time_step(runner, batch: StepBatch, iters: int, warmup: int = 2) -> float:
 
 
 def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int, iters: int) -> list[dict]:
-    rc = load_runtime_config([f"+model={name}", f"max_model_len={max(context + 1, prompt_len)}"])
+    rc = load_runtime_config([f"+model={name}", f"max_model_len={context + prompt_len}"])
     runner = build_runner(rc.model, torch.device("cpu"))
     runner.load_weights()
     chunk = prompt_len
@@ -84,15 +88,22 @@ def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int
     rows = []
     for b in batch_sizes:
         end = max(context + 1, chunk)
-        runner.allocate_pools(pages_needed(runner, 2 * b, end), 1)
+        runner.allocate_pools(pages_needed(runner, 4 * b, context + chunk), 1)
         pages = Pages(runner)
         prefill = StepBatch([SeqStep(f"p{i}", [(7 * i + j) % 500 + 3 for j in range(chunk)], 0, pages.tables(chunk))
                              for i in range(b)])
-        decode = StepBatch([SeqStep(f"d{i}", [(5 * i) % 500 + 3], context, pages.tables(context + 1))
+        decode = StepBatch([SeqStep(f"d{i}", [(5 * i) % 500 + 3], context, pages.tables(end))
                             for i in range(b)])
+        mixed_ctx = [context if i % 2 == 0 else context * 3 // 4 for i in range(b)]
+        mixed = StepBatch([SeqStep(f"m{i}", [(3 * i) % 500 + 3], c, pages.tables(c + 1))
+                           for i, c in enumerate(mixed_ctx)])
+        cached = StepBatch([SeqStep(f"c{i}", [(11 * i + j) % 500 + 3 for j in range(chunk)], context,
+                                    pages.tables(context + chunk)) for i in range(b)])
         t_pre, t_dec = time_step(runner, prefill, iters), time_step(runner, decode, iters)
+        t_mix, t_cached = time_step(runner, mixed, iters), time_step(runner, cached, iters)
         rows.append(dict(model=name, batch=b, chunk=chunk, context=context, prefill_ms=t_pre * 1e3,
-                         prefill_tps=b * chunk / t_pre, decode_ms=t_dec * 1e3, decode_tps=b / t_dec))
+                         prefill_tps=b * chunk / t_pre, decode_ms=t_dec * 1e3, decode_tps=b / t_dec,
+                         mixed_ms=t_mix * 1e3, cached_ms=t_cached * 1e3))
         runner.free_pools()
     return rows
 
@@ -114,11 +125,12 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"median of {args.iters} steps after 2 warm-up steps\n")
     print("| model | batch | prefill tokens/seq | prefill step ms | prefill tok/s | decode context | decode step ms "
-          "| decode tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode tok/s | mixed-context decode ms | cached chunk ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['batch']} | {r['chunk']} | {r['prefill_ms']:.2f} | {r['prefill_tps']:,.0f} | "
-              f"{r['context']} | {r['decode_ms']:.2f} | {r['decode_tps']:,.0f} |")
+              f"{r['context']} | {r['decode_ms']:.2f} | {r['decode_tps']:,.0f} | {r['mixed_ms']:.2f} | "
+              f"{r['cached_ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """Device backends: which accelerator to run on, and a memory probe per device.
 
-A Backend answers, per device: total and free memory, the peak allocated since the last reset, and
-(for accelerators) memory outside torch's allocator that grew since the backend was created. The
-launcher resets the peak once weights and scratch pools are in place, runs one profiling step, and
-turns what the probes say into each device's peak non-KV memory for the pure planner.
+A Backend answers, per device: total and free memory, the peak allocated since the last reset, what this
+process's tensors hold now, and (for accelerators) memory outside torch's allocator that grew since the
+backend was created. The launcher resets the peak once weights and scratch pools are in place, runs the
+worst steps, and turns what the probes say into each device's peak non-KV memory for the pure planner.
+
+A backend touches only its configured devices (device.count; null = one), so probing never opens a
+context on a device this process does not use, and every thread that runs device work first makes its
+device current (set_device): the CUDA and NPU runtimes keep the current device per thread.
 
     npu   Ascend through torch_npu (imported lazily; only this backend needs it)
     cuda  NVIDIA through torch.cuda
@@ -47,6 +51,7 @@ class MemoryStats:
     free_bytes: int
     peak_allocated_bytes: int      # highest bytes held by this process's tensors since the last reset_peak
     non_torch_bytes: int = 0       # growth of device memory outside torch's allocator since the backend started
+    allocated_bytes: int = 0       # bytes this process's tensors hold now (0 where torch keeps no count: cpu)
 
 
 class Backend(ABC):
@@ -74,6 +79,10 @@ class Backend(ABC):
 
     def synchronize(self, index: int | None = None) -> None:
         """Wait for queued device work, so timings and peaks are complete."""
+
+    def set_device(self, index: int) -> None:
+        """Make device `index` the calling thread's current device (the runtimes keep one per thread)."""
+        self._indices(index)
 
     def tracking(self) -> contextlib.AbstractContextManager:
         """Context in which allocations must be observed for the peak to be right (CPU needs it)."""
@@ -124,7 +133,7 @@ class AcceleratorBackend(Backend):
         if self.memory_cap is not None:
             total, free = self.memory_cap, min(free, self.memory_cap)
         grown = max(0, self._non_torch_now(index) - self._non_torch_base[index])
-        return MemoryStats(total, free, self.mod.max_memory_allocated(index), grown)
+        return MemoryStats(total, free, self.mod.max_memory_allocated(index), grown, self.mod.memory_allocated(index))
 
     def reset_peak(self, index: int | None = None) -> None:
         for i in self._indices(index):
@@ -133,6 +142,10 @@ class AcceleratorBackend(Backend):
     def synchronize(self, index: int | None = None) -> None:
         for i in self._indices(index):
             self.mod.synchronize(i)
+
+    def set_device(self, index: int) -> None:
+        self._indices(index)
+        self.mod.set_device(index)
 
     def empty_cache(self) -> None:
         self.mod.empty_cache()
@@ -151,12 +164,16 @@ class CudaBackend(AcceleratorBackend):
 
 
 def import_torch_npu() -> Any:
-    """torch_npu, imported only when an NPU is asked for; a missing install names what to install."""
+    """torch_npu, imported only when an NPU is asked for; a missing install names what to install.
+
+    Any exception counts, not only ImportError: a torch_npu built for another torch, or a CANN that is not
+    sourced, raises RuntimeError or OSError on import, and device=auto must still fall back to cuda or cpu."""
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)
-    except (ImportError, OSError, RuntimeError) as exc:   # not installed, or CANN's libraries not found/sourced
-        raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable ({exc}). Fix: "
-                                      f"{NPU_INSTALL_HINT}, or use device=auto or device=cpu") from exc
+    except Exception as exc:  # any exception: see the docstring
+        raise BackendUnavailableError(f"device.kind=npu needs torch_npu, which is not importable "
+                                      f"({type(exc).__name__}: {exc}). Fix: {NPU_INSTALL_HINT}, or use device=auto "
+                                      f"or device=cpu") from exc
     return torch.npu  # type: ignore[attr-defined]
 
 
@@ -172,10 +189,11 @@ class NpuBackend(AcceleratorBackend):
 
 
 def _resolve_count(kind: str, wanted: int | None, visible: int) -> int:
+    """device.count, checked against what is visible; null means one device (never every visible one)."""
     if visible < 1:
         raise BackendUnavailableError(f"no {kind} device is visible")
     if wanted is None:
-        return visible
+        return 1
     if wanted > visible:
         raise BackendUnavailableError(f"device.count={wanted} but only {visible} {kind} device(s) are visible")
     return wanted
@@ -255,8 +273,11 @@ class CpuBackend(Backend):
 def _npu_visible() -> tuple[bool, str]:
     try:
         mod = import_torch_npu()
-    except BackendUnavailableError:
-        return False, "torch_npu is not installed"
+    except BackendUnavailableError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ModuleNotFoundError):
+            return False, "torch_npu is not installed"
+        return False, f"torch_npu failed to import ({type(cause).__name__}: {cause})"
     try:
         n = mod.device_count() if mod.is_available() else 0
     except Exception as exc:  # a broken driver must not stop the fallback to cuda/cpu

@@ -7,7 +7,6 @@ without its math. Together they plan a 16 x 64 GiB startup on a laptop.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from appliance.core.config import ModelSpec
 from npu.backends import Backend, MemoryStats
 from npu.runner import ModelRunner
-from npu.step import SeqStep, StepBatch
+from npu.step import StepBatch
 
 
 class FakeMemoryProbe:
@@ -99,13 +98,3 @@ class ShapeOnlyRunner(ModelRunner):
     def execute(self, batch: StepBatch) -> torch.Tensor:
         n = sum(1 for s in batch.seqs if s.sample)
         return torch.zeros(n, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        seqs = []
-        for i, length in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, max_num_tokens)):
-            tables = {}
-            for spec in self.model.cache_groups:
-                pages = spec.max_blocks_per_seq if spec.is_ring else math.ceil(length / spec.tokens_per_page)
-                tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
-            seqs.append(SeqStep(f"profile-{i}", [0] * length, 0, tables))
-        return StepBatch(seqs)

@@ -1,19 +1,24 @@
-"""Startup: backend -> runner -> weights -> one profiling step -> measured memory -> plan -> pools -> report.
+"""Startup: backend -> free memory -> runner -> weights -> worst-step profile -> plan -> pools -> report.
 
     runner, report = launch(rc)
 
 1. open the backend: select it (device=auto: npu, then cuda, then cpu, logged with why) and check that every
-   device can hold the weights estimated from the layout, before any weight is materialized;
-2. build the runner for model.arch (found through the architecture registry, imported when chosen);
-3. load weights (timed);
-4. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run the largest
-   step the config allows (max_num_batched_tokens over min(max_num_seqs, ...) sequences; deepseek_v4
-   caps a sequence's step at layout.tokens_in_flight), and read each device's probe;
-   peak_non_kv = peak allocated + non-torch growth - the scratch pools (the planner counts scratch itself);
-5. appliance.core.planner.plan_capacity on those numbers (the same function mode=plan calls);
-6. allocate every group's pool (plan blocks + decode_batch scratch pages); on an allocation failure free
-   everything and re-plan one slot fewer (num_slots_override), until it fits;
-7. return the runner and a StartupReport of what was finally allocated.
+   device can hold the weights estimated from the layout, before any weight is materialized; make its device
+   this thread's current one;
+2. check every configured device has free >= total x npu_memory_utilization, before anything is loaded
+   (InsufficientMemoryError naming the device, total, free and utilization: the CLI exits 2);
+3. build the runner for model.arch (found through the architecture registry, imported when chosen);
+4. load weights (timed);
+5. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run every step of
+   appliance.core.step_limits.worst_steps (the heaviest steps the scheduler can issue: it reads the same
+   step_limits) and the sampler at its largest batch with temperature, top-k and top-p, then read each
+   device's probe; peak_non_kv = peak allocated + non-torch growth - the scratch pools (the planner counts
+   scratch itself);
+6. appliance.core.planner.plan_capacity on those numbers and the config's non-torch margin (the same
+   function and margin mode=plan uses);
+7. allocate every group's pool (plan blocks + decode_batch scratch pages); when an allocation fails, free
+   everything and re-plan from the free memory the devices then report (planner.slots_that_fit);
+8. return the runner and a StartupReport of what was finally allocated.
 
 The planning half runs unchanged with npu.fake's FakeBackend and ShapeOnlyRunner, so NPU-scale startups
 are tested on a CPU without allocating anything.
@@ -37,24 +42,25 @@ from appliance.core.planner import (
     CapacityPlan,
     DeviceMemory,
     InsufficientMemoryError,
+    check_free_memory,
     format_bytes,
+    non_torch_margin,
     plan_for_config,
+    slots_that_fit,
 )
 from appliance.core.startup_report import StartupReport
+from appliance.core.step_limits import StepLimits, step_limits, worst_steps
 from appliance.core.units import human_bytes
-from npu.backends import Backend, select_backend
+from npu.backends import Backend, MemoryStats, select_backend
 from npu.registry import build_runner
 from npu.runner import ModelRunner
+from npu.sampler import Sampler, worst_case_rows
 
 log = logging.getLogger("npu.launcher")
 
-def profile_shape(rc: RuntimeConfig) -> tuple[int, int]:
-    """(tokens, sequences) of the largest step the config allows."""
-    per_seq = rc.max_model_len
-    if rc.model.arch == "deepseek_v4" and rc.model.layout.tokens_in_flight:
-        per_seq = min(per_seq, rc.model.layout.tokens_in_flight)
-    num_seqs = max(1, min(rc.max_num_seqs, rc.max_num_batched_tokens))
-    return min(rc.max_num_batched_tokens, num_seqs * per_seq), num_seqs
+# The device (of the backend's count) the runner lives on; every other configured device is planned as an
+# identical data-parallel replica. Threads that run the runner make it their current device.
+RUNNER_DEVICE = 0
 
 
 def pool_bytes(runner: ModelRunner) -> int:
@@ -69,17 +75,48 @@ class Measurement:
     peak_allocated_bytes: tuple[int, ...]   # probe peak per device (weights + scratch pools + activations)
     non_torch_bytes: tuple[int, ...]
     scratch_pool_bytes: int
-    profile_tokens: int
-    profile_seqs: int
+    profiled_steps: tuple[str, ...]         # "name: tokens over seqs" of each worst step, then the sampler
     load_seconds: float
     profile_seconds: float
 
 
-def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> Measurement:
-    """Load weights, run one max-size step on scratch pages, and turn each device's probe into a DeviceMemory.
+def probe_devices(backend: Backend) -> list[MemoryStats]:
+    """Every configured device's memory as its probe sees it now (no other device is touched)."""
+    return [backend.memory(i) for i in range(backend.count)]
 
-    The runner lives on device 0; every device hosts a replica (a data-parallel rank), so a device's
-    peak_non_kv is the larger of its own probe and device 0's.
+
+def check_free_memory_at_start(rc: RuntimeConfig, backend: Backend) -> list[MemoryStats]:
+    """Fail fast, before any weight is loaded, when a device has less free memory than total x utilization."""
+    stats = probe_devices(backend)
+    check_free_memory([DeviceMemory(backend.device_name(i), s.total_bytes, s.free_bytes, 0)
+                       for i, s in enumerate(stats)], rc.npu_memory_utilization)
+    return stats
+
+
+def profile_worst_steps(runner: ModelRunner, limits: StepLimits) -> tuple[str, ...]:
+    """Run every worst step on scratch pages, then the sampler at its largest batch; returns what ran.
+
+    A shape-only runner (meta tensors) has no memory to measure and no random generator, so its sampler
+    run is skipped."""
+    ran = []
+    for step in worst_steps(limits):
+        runner.execute(runner.scratch_batch(step))
+        ran.append(f"{step.name}: {step.num_tokens} tokens over {len(step.seqs)} sequences")
+    if runner.device.type != "meta":
+        rows = limits.max_sampled_rows
+        logits = torch.zeros(rows, runner.model.layout.vocab_size, dtype=torch.float32, device=runner.device)
+        Sampler(runner.device).sample(logits, worst_case_rows(rows))
+        ran.append(f"sampler: {rows} rows with temperature, top-k and top-p")
+    return tuple(ran)
+
+
+def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner,
+            at_start: Sequence[MemoryStats]) -> Measurement:
+    """Load weights, run the worst steps on scratch pages, and turn each device's probe into a DeviceMemory
+    (with its total and free memory from `at_start`, before anything was loaded).
+
+    The runner lives on RUNNER_DEVICE; every device hosts a replica (a data-parallel rank), so a device's
+    peak_non_kv is the larger of its own probe and the runner device's.
     """
     log.info("[1/4] loading weights: %s", rc.model.weights_label)
     t0 = time.perf_counter()
@@ -90,35 +127,38 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> Measure
 
     runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, rc.decode_batch)
     scratch = pool_bytes(runner)
-    tokens, seqs = profile_shape(rc)
-    log.info("[2/4] profiling one step of %d tokens over %d sequences to measure peak memory", tokens, seqs)
-    batch = runner.profile_batch(tokens, seqs)
+    limits = step_limits(rc)
+    log.info("[2/4] profiling the heaviest steps the scheduler can issue (budget %d tokens, %d sequences) and "
+             "the sampler, to measure peak memory", limits.max_num_batched_tokens, limits.max_num_seqs)
     t0 = time.perf_counter()
     try:
         backend.reset_peak()
         with torch.inference_mode(), backend.tracking() as tracker:
             if tracker is not None:
                 tracker.adopt(runner.pools.values())
-            runner.execute(batch)
+            ran = profile_worst_steps(runner, limits)
             backend.synchronize()
-        stats = [backend.memory(i) for i in range(backend.count)]
+        stats = probe_devices(backend)
     finally:
         runner.free_pools()
     profile_s = time.perf_counter() - t0
-    ref = stats[0].peak_allocated_bytes + stats[0].non_torch_bytes
+    ref = stats[RUNNER_DEVICE].peak_allocated_bytes + stats[RUNNER_DEVICE].non_torch_bytes
+    margin = non_torch_margin(rc.device, backend.kind)
     devices = []
-    for i, s in enumerate(stats):
+    for i, (start, s) in enumerate(zip(at_start, stats)):
         peak = max(s.peak_allocated_bytes + s.non_torch_bytes, ref) - scratch
-        devices.append(DeviceMemory(backend.device_name(i), s.total_bytes, s.free_bytes, max(0, peak)))
-    log.info("profiled %d tokens over %d sequences in %.2f s: peak non-KV %s", tokens, seqs, profile_s,
+        devices.append(DeviceMemory(backend.device_name(i), start.total_bytes, start.free_bytes, max(0, peak), margin))
+    log.info("profiled %d steps in %.2f s: peak non-KV %s", len(ran), profile_s,
              ", ".join(f"{d.name} {d.peak_non_kv_bytes:,} B" for d in devices[:4]) + (" ..." if len(devices) > 4 else ""))
     return Measurement(tuple(devices), tuple(s.peak_allocated_bytes for s in stats),
-                       tuple(s.non_torch_bytes for s in stats), scratch, tokens, seqs, load_s, profile_s)
+                       tuple(s.non_torch_bytes for s in stats), scratch, ran, load_s, profile_s)
 
 
 def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: CapacityPlan,
              devices: Sequence[DeviceMemory]) -> tuple[CapacityPlan, int]:
-    """Allocate the plan's pools; on failure free everything and re-plan one slot fewer. Returns (plan, retries)."""
+    """Allocate the plan's pools; when that fails, free everything and re-plan from the free memory the devices
+    report then (so a device that lost memory to another process shrinks in one step, not slot by slot).
+    Returns (plan, retries)."""
     retries = 0
     while True:
         try:
@@ -129,14 +169,19 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             runner.free_pools()
             gc.collect()
             backend.empty_cache()
-            if plan.capacity_slots <= 1:
+            now = probe_devices(backend)
+            slots = slots_that_fit(plan, devices, [s.free_bytes for s in now], [s.allocated_bytes for s in now])
+            if slots < 1:
                 raise InsufficientMemoryError(
-                    f"allocating the KV-cache pools failed even at 1 slot on {backend.device_name(0)} "
-                    f"({plan.scratch_bytes + plan.bytes_per_slot:,} B): {exc}") from exc
+                    f"allocating {plan.capacity_slots} slot(s) of KV-cache pools failed ({str(exc).splitlines()[0]}) "
+                    f"and the devices now report too little free memory for one slot "
+                    f"({plan.scratch_bytes + plan.bytes_per_slot:,} B with scratch): "
+                    + ", ".join(f"{backend.device_name(i)} free {s.free_bytes:,} B" for i, s in enumerate(now))
+                    + ". Fix: free the devices or lower npu_memory_utilization.") from exc
             retries += 1
-            log.warning("allocating %d slots failed (%s); freeing and retrying with %d", plan.capacity_slots,
-                        str(exc).splitlines()[0], plan.capacity_slots - 1)
-            plan = plan_for_config(rc, devices, num_slots_override=plan.capacity_slots - 1)
+            log.warning("allocating %d slots failed (%s); the devices now fit %d, retrying with that",
+                        plan.capacity_slots, str(exc).splitlines()[0], slots)
+            plan = plan_for_config(rc, devices, num_slots_override=slots)
 
 
 def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
@@ -186,15 +231,17 @@ def open_backend(rc: RuntimeConfig) -> Backend:
 
 
 def launch(rc: RuntimeConfig, backend: Backend | None = None,
-          runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
+           runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
     """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists.
 
     A backend passed in has been opened by the caller (open_backend, or a fake one for tests).
     """
     backend = backend or open_backend(rc)
-    runner = runner or build_runner(rc.model, backend.torch_device(0))
+    backend.set_device(RUNNER_DEVICE)
+    at_start = check_free_memory_at_start(rc, backend)
+    runner = runner or build_runner(rc.model, backend.torch_device(RUNNER_DEVICE))
     log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
-    m = measure(rc, backend, runner)
+    m = measure(rc, backend, runner, at_start)
     log.info("[3/4] planning the KV cache from %d device(s)' measured memory", len(m.devices))
     plan = plan_for_config(rc, m.devices)
     log.info("[4/4] allocating %d slots (%s of KV cache per device)", plan.capacity_slots,
@@ -203,15 +250,16 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None,
     plan, retries = allocate(rc, backend, runner, plan, m.devices)
     alloc_s = time.perf_counter() - t0
     notes = [
-        f"profiling step: {m.profile_tokens} tokens over {m.profile_seqs} sequences on scratch pages",
+        "profiled on scratch pages: " + "; ".join(m.profiled_steps),
         f"peak_non_kv = probe peak allocated + non-torch growth - scratch pools ({m.scratch_pool_bytes:,} B); "
-        f"{backend.device_name(0)} measured {m.peak_allocated_bytes[0]:,} B allocated at peak",
+        f"{backend.device_name(RUNNER_DEVICE)} measured {m.peak_allocated_bytes[RUNNER_DEVICE]:,} B allocated at peak",
     ]
     if backend.count > 1:
-        notes.append(f"the runner was profiled on {backend.device_name(0)}; each device is planned with at least "
-                     "that peak (identical data-parallel replicas)")
+        notes.append(f"the runner was profiled on {backend.device_name(RUNNER_DEVICE)}; each device is planned with "
+                     "at least that peak (identical data-parallel replicas)")
     if retries:
-        notes.append(f"pool allocation failed {retries} time(s); gave back {retries} slot(s)")
+        notes.append(f"pool allocation failed {retries} time(s); re-planned from the free memory the devices "
+                     f"reported, down to {plan.capacity_slots} slot(s)")
     log.info("allocated %d slots (%s) in %.2f s", plan.capacity_slots,
              ", ".join(f"{g.name}={g.num_blocks}" for g in plan.groups), alloc_s)
     report = StartupReport(

@@ -1,13 +1,19 @@
 """Qwen3 over one paged KV group, in plain torch; Hugging Face parameter names, so HF checkpoints load as is.
 
-Pool "kv": [num_layers, pages, block_size, 2 * kv_heads * head_dim], each row K then V of one token.
+Pool "kv": [num_layers, pages, block_size, 2 * kv_heads * head_dim]. A page holds two planes: the K rows
+of its block_size tokens, then their V rows ([2, block_size, kv_heads * head_dim]), so one layer's pool
+viewed as [2 * pages, block_size, kv_heads * head_dim] is a contiguous paged cache with page p's K at
+block 2p and its V at 2p + 1: what a fused paged-attention kernel reads in place (npu.fused_attention).
 A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP:
 decode tokens first, then prefill chunks. Everything shared by the layers (token rows in the pool,
-rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Attention:
-- decode rows, batched: per layer the pages of their contexts are gathered (one index_select into a
-  reused buffer), then one SDPA with a kv head's query heads as the query axis (GQA without repeating
-  K/V), masked only where contexts differ. Rows of very different lengths are split into a few buckets
-  by context length, so short contexts are not padded to the longest one;
+rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Attention, on
+an NPU where the fused kernel applies: one call per layer for every row (npu.fused_attention). Elsewhere,
+SDPA with bool masks (or is_causal), which accelerator backends keep on their fused kernels:
+- decode rows, batched: per layer the K and V planes of their pages are gathered from the layer's
+  contiguous pool (one index_select into a reused buffer), then one SDPA with a kv head's query heads as
+  the query axis (GQA without repeating K/V), masked only where contexts differ. Rows of very different
+  lengths are split into a few buckets by context length, so short contexts are not padded to the
+  longest one;
 - chunks from position 0: causal SDPA on their own K/V, one call for all chunks of equal length;
 - a chunk after cached tokens (a later chunk, a prefix-cache hit): SDPA over its gathered pages with an
   offset causal mask.
@@ -17,6 +23,7 @@ Row indices come from the pool tensor's strides at each step, so no pool size is
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 
 from appliance.core.archs.qwen3 import KV
 from appliance.core.config import ModelSpec
+from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 
@@ -65,6 +73,11 @@ class Qwen3Runner(ModelRunner):
         self._rope_table = torch.empty(0, 2, self.head_dim, device=self.device, dtype=self.dtype)
         self._kv_buf = torch.empty(0, device=self.device)     # reused by _gather
         self._cols = torch.arange(256, device=self.device)    # sliced by _arange
+        self._parity = torch.arange(2, device=self.device)[:, None]   # K plane (0) / V plane (1) of a page
+        self._kv_offsets: torch.Tensor | None = None          # see _row_offsets
+        op = fused_attention_op(self.device, self.dtype, self.block_size)
+        self.fused_attention = None if op is None else FusedPagedAttention(
+            op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -122,6 +135,7 @@ class Qwen3Runner(ModelRunner):
     def free_pools(self) -> None:
         super().free_pools()
         self._kv_buf = torch.empty(0, device=self.device)     # the gather workspace goes with the pools
+        self._kv_offsets = None
 
     # -- rope --------------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,21 +150,36 @@ class Qwen3Runner(ModelRunner):
         cos, sin = self._rope_table.index_select(0, positions).unsqueeze(2).unbind(1)
         return cos, sin
 
+    def _row_offsets(self, pool: torch.Tensor) -> torch.Tensor:
+        """[layers, 1, 2]: what to add to a token's K-plane row in layer 0 for its K and V rows in every layer
+        (V is block_size rows further, in the V plane). From the pool's strides, once per pool."""
+        if self._kv_offsets is None:
+            layer_stride = pool.stride(0) // (self.num_kv_heads * self.head_dim)
+            layers = torch.arange(len(self.layers), device=self.device)[:, None, None] * layer_stride
+            self._kv_offsets = layers + self._parity.view(1, 1, 2) * self.block_size
+        return self._kv_offsets
+
     def _arange(self, n: int) -> torch.Tensor:
         """0..n-1 on the device, a slice of a cached tensor (masks and row offsets are built from it)."""
         if self._cols.numel() < n:
             self._cols = torch.arange(max(n, 2 * self._cols.numel()), device=self.device)
         return self._cols[:n]
 
-    def _gather(self, pool: torch.Tensor, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """Rows of `pages` for one layer, [len(pages) * block_size, width], copied into a buffer reused across
-        layers and steps (a fresh multi-MB tensor per layer costs more in page faults on CPU than the copy)."""
-        src = pool[layer]                              # [num_pages, block_size, width], contiguous
-        numel = pages.numel() * src.shape[1] * src.shape[2]
+    def _planes(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer's pool as [2 * pages, block_size, kv_heads * head_dim]: contiguous storage, no copy."""
+        return pool[layer].view(-1, self.block_size, self.num_kv_heads * self.head_dim)
+
+    def _gather(self, pool: torch.Tensor, layer: int, planes: torch.Tensor, seqs: int) -> torch.Tensor:
+        """K and V of some pages for one layer: [2 (K, V), seqs, pages per seq * block_size, kv_heads, head_dim].
+        `planes` lists the pages' K planes, then their V planes (2p, then 2p + 1); they are copied from the
+        layer's contiguous storage into a buffer reused across layers and steps (a fresh multi-MB tensor per
+        layer costs more in page faults on CPU than the copy)."""
+        src = self._planes(pool, layer)
+        numel = planes.numel() * src.shape[1] * src.shape[2]
         if self._kv_buf.numel() < numel or self._kv_buf.dtype != src.dtype:
             self._kv_buf = torch.empty(numel, dtype=src.dtype, device=self.device)
-        out = torch.index_select(src, 0, pages, out=self._kv_buf[:numel].view(pages.numel(), *src.shape[1:]))
-        out = out.view(-1, src.shape[2])
+        out = torch.index_select(src, 0, planes, out=self._kv_buf[:numel].view(planes.numel(), *src.shape[1:]))
+        out = out.view(2, seqs, -1, self.num_kv_heads, self.head_dim)
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # -- step --------------------------------------------------------------------------------------
@@ -165,13 +194,11 @@ class Qwen3Runner(ModelRunner):
         pool = self.pools[KV]
         if not pool.is_contiguous():
             raise ValueError("the kv pool must be contiguous")
-        width = pool.shape[-1]
-        rows = pool.view(-1, width)
-        layer_stride, page_stride, row_stride = (s // width for s in pool.stride()[:3])
-        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], page_stride, row_stride,
-                               self._arange, self.dtype, self.device)
-        # pool row of every token's K/V, per layer: [layers, tokens]
-        writes = meta.write_rows + self._arange(len(self.layers))[:, None] * layer_stride
+        half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
+        rows = pool.view(-1, half)
+        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, self._arange,
+                               self._parity, self.device, fused=self.fused_attention is not None)
+        kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
         cos, sin = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
@@ -183,25 +210,12 @@ class Qwen3Runner(ModelRunner):
             t = F.rms_norm(qk, (hd,), eps=self.eps).mul_(layer.qk_norm)
             swapped = t.view(n, nh + kvh, 2, hd // 2).flip(2).view(n, nh + kvh, hd)
             torch.add(t.mul_(cos), swapped.mul_(sin), out=qk)
-            rows.index_copy_(0, writes[li], qkv[:, nh * hd:].to(rows.dtype))
+            rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
             q = qkv[:, :nh * hd].view(n, nh, hd)
-            parts = []                                 # attention output of rows 0..n-1, in order
-            for d in meta.decodes:                     # decode rows come first in the flat batch
-                kv = self._gather(pool, li, d.pages).view(d.count, -1, 2, kvh, hd)[:, :d.ctx]
-                kd, vd = kv.permute(2, 0, 3, 1, 4)     # [count, kvh, ctx, hd] each
-                qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
-                parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
-            for p in meta.prefills:
-                chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
-                qp = chunk[:, :, :nh].transpose(1, 2)  # [count, nh, len, hd]
-                if p.pages is None:                    # from position 0: the chunks' own K/V are the context
-                    kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-                else:
-                    kp, vp = self._gather(pool, li, p.pages)[:p.ctx].view(1, p.ctx, 2, kvh, hd).permute(2, 0, 3, 1, 4)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
-                parts.append(op.transpose(1, 2).reshape(p.count * p.length, nh, hd))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if self.fused_attention is not None:
+                attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
+            else:
+                attn = self._attend(pool, li, qkv, q, meta)
             x = x + F.linear(attn.reshape(n, nh * hd), layer.o)
             gate, up = F.linear(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate).mul_(up), layer.down)
@@ -211,19 +225,25 @@ class Qwen3Runner(ModelRunner):
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
 
-    # -- profiling ---------------------------------------------------------------------------------
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        """max_num_tokens tokens over min(max_num_seqs, max_num_tokens) sequences, each at the end of a
-        full-length context (so attention reads the longest history), every page a scratch page."""
-        if self.num_scratch < 1:
-            raise RuntimeError("profile_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
-        max_ctx = self.spec.max_blocks_per_seq * self.block_size
-        pages = self.spec.max_blocks_per_seq
-        seqs = []
-        for i, length in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, max_ctx)):
-            table = [self.scratch_page(KV, (i + j) % self.num_scratch) for j in range(pages)]
-            seqs.append(SeqStep(f"profile-{i}", [0] * length, max_ctx - length, {KV: table}, sample=True))
-        return StepBatch(seqs)
+    def _attend(self, pool: torch.Tensor, li: int, qkv: torch.Tensor, q: torch.Tensor, meta: _StepMeta) -> torch.Tensor:
+        """Attention of every row of the flat batch over layer li with SDPA: [n, heads, head_dim]."""
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        parts = []                                     # attention output of rows 0..n-1, in order
+        for d in meta.decodes:                         # decode rows come first in the flat batch
+            kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
+            qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
+            parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
+        for p in meta.prefills:
+            chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
+            qp = chunk[:, :, :nh].transpose(1, 2)      # [count, nh, len, hd]
+            if p.planes is None:                       # from position 0: the chunks' own K/V are the context
+                kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                kp, vp = self._gather(pool, li, p.planes, 1)[:, :, :p.ctx].transpose(2, 3)   # [1, kvh, ctx, hd]
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
+            parts.append(op.transpose(1, 2).reshape(p.count * p.length, nh, hd))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
@@ -235,9 +255,9 @@ class _Prefill:
     first: int
     count: int
     length: int
-    pages: torch.Tensor | None = None  # cached chunk: page ids covering its context
-    ctx: int = 0                       # cached chunk: tokens in its context, the chunk included
-    mask: torch.Tensor | None = None   # cached chunk: [length, ctx] additive offset-causal mask
+    planes: torch.Tensor | None = None  # cached chunk: K planes of the pages covering its context, then V planes
+    ctx: int = 0                        # cached chunk: tokens in its context, the chunk included
+    mask: torch.Tensor | None = None    # cached chunk: [length, ctx] bool offset-causal mask (True = attend)
 
 
 @dataclass
@@ -246,9 +266,9 @@ class _Decode:
 
     first: int
     count: int
-    pages: torch.Tensor        # [count * width] page ids, row by row, padded with page 0
+    planes: torch.Tensor       # [2 * count * width]: K planes of the rows' pages (padded with page 0), then V planes
     ctx: int                   # columns attended to: the longest context in the bucket
-    mask: torch.Tensor | None  # [count, 1, 1, ctx] additive, row i sees columns 0..position_i; None: all equal
+    mask: torch.Tensor | None  # [count, 1, 1, ctx] bool, row i attends to columns 0..position_i; None: all equal
 
 
 # Padding (token rows) a separate decode bucket must save to pay for its own gather and attention call;
@@ -270,11 +290,10 @@ def decode_buckets(widths: list[int], block_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _causal_mask(cols: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[len(positions), len(cols)] additive mask, 0 where col <= position else -inf (SDPA on CPU is faster
-    with an additive mask than a boolean one)."""
-    disallowed = cols[None, :] > positions[:, None]
-    return torch.zeros(disallowed.shape, dtype=dtype, device=cols.device).masked_fill_(disallowed, float("-inf"))
+def _causal_mask(cols: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[len(positions), len(cols)] bool mask, True where col <= position. Bool, not an additive float mask:
+    torch_npu's SDPA keeps its fused kernel only for a bool mask (or none), and the mask is 1/4 the bytes."""
+    return cols[None, :] <= positions[:, None]
 
 
 @dataclass
@@ -287,16 +306,18 @@ class _StepMeta:
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    write_rows: torch.Tensor           # pool row (layer 0) of each token's K/V
+    write_rows: torch.Tensor           # K-plane row (layer 0, in rows of kv_heads * head_dim) of each token
     sample_index: torch.Tensor | None  # flat rows to sample, in batch order; None: every row, in order
     num_tokens: int
     max_pos: int
     decodes: list[_Decode]             # buckets of decode rows by context length, in flat order
     prefills: list[_Prefill]
+    fused: FusedStep | None            # the fused kernel's arguments, when the runner uses it
 
     @staticmethod
-    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, row_stride: int,
-              arange: Callable[[int], torch.Tensor], dtype: torch.dtype, device: torch.device) -> "_StepMeta":
+    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int,
+              arange: Callable[[int], torch.Tensor], parity: torch.Tensor, device: torch.device,
+              fused: bool = False) -> "_StepMeta":
         dec: list[tuple[int, SeqStep, list[int]]] = []     # (index in batch, seq, pages covering its context)
         chunks: list[tuple[int, SeqStep, list[int]]] = []
         for i, s in enumerate(seqs):
@@ -321,7 +342,7 @@ class _StepMeta:
 
         tokens = [s.token_ids[0] for _, s, _ in dec]
         positions = [s.start_pos for _, s, _ in dec]
-        rows = [used[-1] * page_stride + s.start_pos % block_size * row_stride for _, s, used in dec]
+        rows = [used[-1] * page_stride + s.start_pos % block_size for _, s, used in dec]
         last_row = [0] * len(seqs)              # flat row of each sequence's last token
         for r, (i, _, _) in enumerate(dec):
             last_row[i] = r
@@ -336,7 +357,7 @@ class _StepMeta:
             end = s.start_pos + len(s.token_ids)
             tokens += s.token_ids
             positions += range(s.start_pos, end)
-            rows += [used[p // block_size] * page_stride + p % block_size * row_stride for p in range(s.start_pos, end)]
+            rows += [used[p // block_size] * page_stride + p % block_size for p in range(s.start_pos, end)]
             pages += used
             last_row[i] = len(tokens) - 1
         sample = [last_row[i] for i, s in enumerate(seqs) if s.sample]
@@ -349,25 +370,40 @@ class _StepMeta:
             raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "
                              f"in {bad.block_tables[KV]}")
         t_tok, t_pos, t_rows, t_pages, t_sample = host.to(device).split([n, n, n, len(pages), len(sample)])
+        # Plane ids in a layer's [2 * pages, ...] view: row 0 the K planes (2p), row 1 the V planes (2p + 1). A
+        # run of pages [a, b) is read as planes[:, a:b] flattened: K planes, then V planes (a view for one run).
+        planes = t_pages * 2 + parity                   # parity: [[0], [1]]
 
         decodes, at = [], 0
         for (lo, hi), width in zip(buckets, widths):
             first, last = min(positions[lo:hi]), max(positions[lo:hi])
             mask = None
             if first != last:
-                mask = _causal_mask(arange(last + 1), t_pos[lo:hi], dtype).view(hi - lo, 1, 1, -1)
-            decodes.append(_Decode(lo, hi - lo, t_pages[at:at + (hi - lo) * width], last + 1, mask))
+                mask = _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
+            decodes.append(_Decode(lo, hi - lo, planes[:, at:at + (hi - lo) * width].reshape(-1), last + 1, mask))
             at += (hi - lo) * width
         prefills: list[_Prefill] = []
         for i, s, used in chunks:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
             if s.start_pos > 0:
-                mask = _causal_mask(arange(end), t_pos[first:first + length], dtype)
-                prefills.append(_Prefill(first, 1, length, t_pages[at:at + len(used)], end, mask))
-            elif prefills and prefills[-1].pages is None and prefills[-1].length == length:
+                mask = _causal_mask(arange(end), t_pos[first:first + length])
+                prefills.append(_Prefill(first, 1, length, planes[:, at:at + len(used)].reshape(-1), end, mask))
+            elif prefills and prefills[-1].planes is None and prefills[-1].length == length:
                 prefills[-1].count += 1
             else:
                 prefills.append(_Prefill(first, 1, length))
             at += len(used)
-        return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills)
+        fused_step = _fused_step([e[1:] for e in dec + chunks], device) if fused else None
+        return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills,
+                         fused_step)
+
+
+def _fused_step(order: list[tuple[SeqStep, list[int]]], device: torch.device) -> FusedStep:
+    """The fused kernel's block table and lengths for sequences in flat-batch order (each its pages)."""
+    width = max(len(used) for _, used in order)
+    table = array.array("i", [2 * p for _, used in order for p in used + [0] * (width - len(used))])
+    query_ends = list(itertools.accumulate(len(s.token_ids) for s, _ in order))
+    kv_lengths = [s.start_pos + len(s.token_ids) for s, _ in order]
+    block_table = torch.frombuffer(table, dtype=torch.int32).view(len(order), width).to(device)
+    return FusedStep(block_table, query_ends, kv_lengths)

@@ -2,7 +2,7 @@
 
 Shared here: the architecture's rules (checked on construction), weights (seeded random or a checkpoint
 directory, checked against `expected_weights()` by name, shape and dtype before `install_weights`),
-pools, and how a profiling step's tokens are split over sequences. Each runner adds its math.
+pools, and the scratch-page batches the startup profile runs (scratch_batch). Each runner adds its math.
 
 Pools are allocated at runtime from the plan: one tensor per cache group shaped
 [num_layers_in_group, num_blocks + num_scratch, rows_per_block, row_width], layer-major, so one layer's
@@ -23,7 +23,8 @@ from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 from appliance.core.kv_cache_spec import CacheGroupSpec
-from npu.step import StepBatch
+from appliance.core.step_limits import StepShape
+from npu.step import SeqStep, StepBatch
 from npu.weights import as_expected_dtype, load_state_dict, random_state_dict
 
 
@@ -129,14 +130,27 @@ class ModelRunner(ABC):
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return float32 logits [number of seqs with sample=True, vocab], in batch order."""
 
-    @abstractmethod
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        """The largest step the config allows, on scratch pages only, for measuring peak non-KV memory."""
+    # -- profiling ---------------------------------------------------------------------------------
+    def scratch_batch(self, step: StepShape) -> StepBatch:
+        """`step` (one of appliance.core.step_limits.worst_steps) as a batch whose every page is a scratch page:
+        the profile computes at full size, and no real page is read or written. Ring groups get their
+        max_blocks_per_seq slots, full-history groups one page per logical page up to the sequence's end."""
+        if self.num_scratch < 1:
+            raise RuntimeError("scratch_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
+        seqs = []
+        for i, s in enumerate(step.seqs):
+            tables = {}
+            for spec in self.model.cache_groups:
+                pages = spec.max_blocks_per_seq if spec.is_ring else -(-s.end // spec.tokens_per_page)
+                tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
+            seqs.append(SeqStep(f"{step.name}-{i}", [0] * s.num_tokens, s.start_pos, tables))
+        return StepBatch(seqs)
 
     @staticmethod
     def profile_lengths(max_num_tokens: int, max_num_seqs: int, per_seq_cap: int) -> list[int]:
-        """Chunk lengths of a profiling step: up to max_num_tokens tokens over min(max_num_seqs, tokens)
-        sequences, as even as possible, none longer than per_seq_cap; empty sequences are dropped."""
+        """Chunk lengths of deepseek_v4's own profile_batch (until that runner moves to scratch_batch over
+        worst_steps, which the launcher already uses): up to max_num_tokens tokens over min(max_num_seqs,
+        tokens) sequences, as even as possible, none longer than per_seq_cap; empty sequences are dropped."""
         num_seqs = max(1, min(max_num_seqs, max_num_tokens))
         total = min(max_num_tokens, num_seqs * per_seq_cap)
         lengths = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]

@@ -11,6 +11,13 @@ import torch
 from appliance.core.request import SamplingParams
 
 
+def worst_case_rows(n: int) -> list[tuple[str, SamplingParams]]:
+    """n rows on the sampler's costliest path (temperature, top-k and top-p all on, each with its own
+    generator): what the startup profile samples at the largest batch a step can produce."""
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    return [(f"profile-{i}", params) for i in range(n)]
+
+
 class Sampler:
     def __init__(self, device: torch.device, base_seed: int = 0):
         self.device = device

@@ -234,6 +234,7 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     c.positive_int("device.memory_bytes_per_device", dev.memory_bytes_per_device, optional=True)
     c.positive_int("device.cpu_memory_bytes", dev.cpu_memory_bytes, optional=True)
     c.positive_int("device.cpu_threads", dev.cpu_threads, optional=True)
+    c.non_negative("device.non_torch_margin_bytes", dev.non_torch_margin_bytes)
     if dev.offline:
         c.check(dev.count is not None, "device.count", dev.count, "an offline planning profile must give a device count")
         c.check(dev.memory_bytes_per_device is not None, "device.memory_bytes_per_device",

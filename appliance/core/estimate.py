@@ -14,7 +14,7 @@ from appliance.core.archs import architecture
 from appliance.core.config import ModelSpec, RuntimeConfig
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES
-from appliance.core.planner import DeviceMemory
+from appliance.core.planner import DeviceMemory, non_torch_margin
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ def estimate_peak_non_kv(model: ModelSpec, num_devices: int, activation_allowanc
 
 
 def offline_devices(rc: RuntimeConfig) -> list[DeviceMemory]:
-    """The planner's devices for mode=plan: the profile's memory per device and an estimated (or given) peak."""
+    """The planner's devices for mode=plan: the profile's memory per device (all of it free), an estimated (or
+    given) peak, and the same non-torch margin the runtime keeps on a device of that kind."""
     dev = rc.device
     if dev.memory_bytes_per_device is None:
         raise ConfigError([ConfigIssue(
@@ -66,4 +67,5 @@ def offline_devices(rc: RuntimeConfig) -> list[DeviceMemory]:
         peak = estimate_peak_non_kv(rc.model, count, rc.plan.activation_allowance_bytes).peak_non_kv_bytes
     prefix = "cpu" if dev.kind in ("cpu", "auto") else dev.kind
     total = dev.memory_bytes_per_device
-    return [DeviceMemory(f"{prefix}:{i}", total, total, peak) for i in range(count)]
+    margin = non_torch_margin(dev, prefix)
+    return [DeviceMemory(f"{prefix}:{i}", total, total, peak, margin) for i in range(count)]

@@ -4,9 +4,19 @@ The runtime (with measured peak memory) and `mode=plan` (with estimated peak mem
 `plan_capacity`, through the one config adapter `plan_for_config`, so a plan made offline with the
 runtime's inputs equals the runtime allocation.
 
-    budget          = total_bytes x utilization - peak_non_kv_bytes          (per device)
+    budget          = total_bytes x utilization - peak_non_kv_bytes - non_torch_margin_bytes   (per device)
     capacity_slots  = (min budget - scratch_bytes) // bytes_per_slot
     num_blocks[g]   = capacity_slots x max_blocks_per_seq[g]
+
+Before any of that, each device must have free_bytes >= total_bytes x utilization (measured before this
+process loaded anything): a device another process already uses cannot give what the plan assumes, and
+failing there, naming the device, beats an out-of-memory error after minutes of loading.
+
+non_torch_margin_bytes is memory the profile cannot see because it is allocated outside torch's allocator
+after startup: collective buffers (HCCL reserves 2 x HCCL_BUFFSIZE = 400 MB per communication domain at
+its default of 200 MB; NCCL keeps per-channel buffers), runtime workspaces and graph caches. It comes from
+device.non_torch_margin_bytes (conf/device/*.yaml); non_torch_margin() resolves it for the runtime and
+mode=plan alike, so both subtract the same figure.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from appliance.core.config import RuntimeConfig
+from appliance.core.config import DeviceSettings, RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
 from appliance.core.units import human_bytes
@@ -22,12 +32,14 @@ from appliance.core.units import human_bytes
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """What one device offers: total memory, free memory when measured, and the peak of everything but KV."""
+    """What one device offers: total memory, free memory before loading, the peak of everything but KV,
+    and the margin kept for memory outside torch's allocator."""
 
     name: str
     total_bytes: int
     free_bytes: int
     peak_non_kv_bytes: int
+    non_torch_margin_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,8 +48,9 @@ class DeviceBudget:
     total_bytes: int
     free_bytes: int
     peak_non_kv_bytes: int
+    non_torch_margin_bytes: int
     usable_bytes: int          # total x utilization
-    budget_bytes: int          # usable - peak_non_kv: what KV cache and scratch may take
+    budget_bytes: int          # usable - peak_non_kv - margin: what KV cache and scratch may take
     headroom_bytes: int        # budget left after scratch and the planned slots
 
 
@@ -85,7 +98,8 @@ class CapacityPlan:
 
 
 class InsufficientMemoryError(StartupError, RuntimeError):
-    """The budget cannot hold the scratch pages plus one capacity slot; raised before any allocation."""
+    """A device cannot give what the config asks: too little free memory at startup, or a budget that cannot
+    hold the scratch pages plus one capacity slot. Raised before any pool is allocated; the CLI exits 2."""
 
 
 def format_bytes(n: int) -> str:
@@ -95,6 +109,48 @@ def format_bytes(n: int) -> str:
 
 _ADVICE = ("raise npu_memory_utilization, lower max_model_len or decode_batch, "
            "or use more devices (smaller weight shards)")
+
+
+def non_torch_margin(device: DeviceSettings, kind: str) -> int:
+    """device.non_torch_margin_bytes for a device of `kind`; device=auto falling back to the host CPU keeps
+    none, as cpu.yaml does (its budget is already the cap device.cpu_memory_bytes)."""
+    if device.kind == "auto" and kind == "cpu":
+        return 0
+    return device.non_torch_margin_bytes
+
+
+def check_free_memory(devices: Sequence[DeviceMemory], utilization: float) -> None:
+    """Every device has at least total x utilization free (vLLM refuses to start below that too)."""
+    for dev in devices:
+        wanted = int(dev.total_bytes * utilization)
+        if dev.free_bytes < wanted:
+            fits = dev.free_bytes / dev.total_bytes if dev.total_bytes else 0.0
+            raise InsufficientMemoryError(
+                f"device {dev.name}: free memory {format_bytes(dev.free_bytes)} is less than total {format_bytes(dev.total_bytes)} "
+                f"x npu_memory_utilization {utilization} = {format_bytes(wanted)}; something else holds "
+                f"{format_bytes(dev.total_bytes - dev.free_bytes)} of it. Fix: free the device (npu-smi info / nvidia-smi "
+                f"show its processes) or lower npu_memory_utilization to at most {fits:.3f}.")
+
+
+# When the devices report room for a plan whose allocation just failed (fragmentation, or a host that
+# overcommits), the report cannot size the retry; give back this fraction of the slots (at least one) so
+# that a large plan converges in a few retries instead of one per slot.
+UNEXPLAINED_FAILURE_SHRINK = 8
+
+
+def slots_that_fit(plan: CapacityPlan, devices: Sequence[DeviceMemory], free_bytes: Sequence[int],
+                   held_bytes: Sequence[int]) -> int:
+    """Capacity slots the devices can still take after an allocation of `plan` failed, from what they report
+    once the pools are freed: per device, free - margin - the activation peak still to come (peak_non_kv -
+    what this process holds now) - scratch, in whole slots. Always fewer than the plan's, so a retry shrinks."""
+    fits = plan.capacity_slots
+    for dev, free, held in zip(devices, free_bytes, held_bytes):
+        activations = max(0, dev.peak_non_kv_bytes - held)
+        room = free - dev.non_torch_margin_bytes - activations - plan.scratch_bytes
+        fits = min(fits, room // plan.bytes_per_slot)
+    if fits >= plan.capacity_slots:
+        fits = plan.capacity_slots - max(1, plan.capacity_slots // UNEXPLAINED_FAILURE_SHRINK)
+    return max(0, fits)
 
 
 def plan_capacity(
@@ -117,16 +173,20 @@ def plan_capacity(
     scratch = scratch_bytes(specs, decode_batch)
     need = scratch + slot
 
+    check_free_memory(devices, utilization)
     budgets: list[tuple[DeviceMemory, int, int]] = []
     for dev in devices:
         usable = int(dev.total_bytes * utilization)
-        derived = usable - dev.peak_non_kv_bytes
+        derived = usable - dev.peak_non_kv_bytes - dev.non_torch_margin_bytes
         head = (f"device {dev.name}: total {format_bytes(dev.total_bytes)}, free {format_bytes(dev.free_bytes)}, "
-                f"peak_non_kv {format_bytes(dev.peak_non_kv_bytes)}, utilization {utilization}")
+                f"peak_non_kv {format_bytes(dev.peak_non_kv_bytes)}, non-torch margin {format_bytes(dev.non_torch_margin_bytes)}, "
+                f"utilization {utilization}")
         if derived <= 0:
+            what = ("peak_non_kv alone exceeds" if dev.peak_non_kv_bytes >= usable else
+                    "peak_non_kv + the non-torch margin exceed")
             raise InsufficientMemoryError(
-                f"{head}: peak_non_kv alone exceeds total x utilization ({format_bytes(usable)}) by "
-                f"{format_bytes(-derived)}; no memory is left for the KV cache. Fix: {_ADVICE}.")
+                f"{head}: {what} total x utilization ({format_bytes(usable)}) by {format_bytes(-derived)}; no memory is left "
+                f"for the KV cache. Fix: {_ADVICE}.")
         budget = derived
         if kv_cache_memory_bytes is not None:
             if kv_cache_memory_bytes > derived:
@@ -160,8 +220,8 @@ def plan_capacity(
     return CapacityPlan(
         utilization=utilization, decode_batch=decode_batch, max_model_len=max_model_len, block_size=block_size,
         devices=tuple(
-            DeviceBudget(dev.name, dev.total_bytes, dev.free_bytes, dev.peak_non_kv_bytes, usable, budget,
-                         budget - scratch - kv_bytes)
+            DeviceBudget(dev.name, dev.total_bytes, dev.free_bytes, dev.peak_non_kv_bytes, dev.non_torch_margin_bytes,
+                         usable, budget, budget - scratch - kv_bytes)
             for dev, usable, budget in budgets),
         limiting_device=limiting.name, budget_bytes=limit_budget, scratch_bytes=scratch, bytes_per_slot=slot,
         capacity_slots=slots, groups=_group_plans(specs, slots, limit_budget), kv_cache_bytes=kv_bytes,

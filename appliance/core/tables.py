@@ -42,13 +42,14 @@ def cache_group_table(specs: Sequence[CacheGroupSpec], max_model_len: int, decod
 
 
 def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan") -> str:
-    dev_rows = [(d.name, human_bytes(d.total_bytes), human_bytes(d.free_bytes), human_bytes(d.peak_non_kv_bytes),
-                 human_bytes(d.usable_bytes), human_bytes(d.budget_bytes), human_bytes(d.headroom_bytes))
-                for d in plan.devices]
+    hb = human_bytes
+    dev_rows = [(d.name, hb(d.total_bytes), hb(d.free_bytes), hb(d.usable_bytes), hb(d.peak_non_kv_bytes),
+                 hb(d.non_torch_margin_bytes), hb(d.budget_bytes), hb(d.headroom_bytes)) for d in plan.devices]
     # Identical devices collapse to one row so that a 16-device profile stays readable.
     if len({r[1:] for r in dev_rows}) == 1 and len(dev_rows) > 1:
         dev_rows = [(f"{dev_rows[0][0]} (x{len(dev_rows)} identical)",) + dev_rows[0][1:]]
-    devices = format_table(["device", "total", "free", "peak_non_kv", "total x util", "budget", "headroom"], dev_rows)
+    devices = format_table(["device", "total", "free", "total x util", "- peak_non_kv", "- non-torch margin",
+                            "= budget", "headroom"], dev_rows)
     groups = format_table(
         ["group", "history", "layers", "rows/block", "page bytes", "blocks/seq", "num_blocks", "bytes",
          "share of budget"],

@@ -1,7 +1,8 @@
 """The engine: a loop thread that schedules, runs the device step, samples, streams, and frees.
 
 Thread model: callers (gRPC handlers, the offline API) only touch the thread-safe inbox (`submit`,
-`abort`); the loop thread owns the scheduler, the KvCacheManager and the device runner.
+`abort`); the loop thread owns the scheduler, the KvCacheManager and the device runner, and makes the
+runner's device its current device first (the CUDA and NPU runtimes keep one per thread).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
 from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
-from npu.launcher import launch
+from npu.backends import Backend
+from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler
 from npu.step import SeqStep, StepBatch
 
@@ -61,6 +63,7 @@ class RequestHandle:
 class Engine:
     def __init__(self, rc: RuntimeConfig):
         self.rc = rc
+        self.backend: Backend | None = None        # opened by the preflight (prepare)
         self.report: StartupReport | None = None
         self.tokenizer = None
         self.kv_cache_manager = None
@@ -99,6 +102,7 @@ class Engine:
         self.tokenizer = checked.tokenizer
         self.limits = RequestLimits(self.rc.model.layout.vocab_size, self.rc.max_model_len,
                                     self.tokenizer.max_token_bytes)
+        self.backend = checked.backend
         runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                  enable_prefix_caching=self.rc.enable_prefix_caching)
@@ -199,6 +203,7 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.backend.set_device(RUNNER_DEVICE)
         sched = self.scheduler
         by_id: dict[str, Sequence] = {}
         while not self._stop.is_set():

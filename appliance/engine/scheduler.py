@@ -1,11 +1,12 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
 Every sequence computes its pending tokens (prompt chunks, or the one token sampled last step), bounded by
-the step's token budget (max_num_batched_tokens), the per-step chunk cap (layout.tokens_in_flight for ring
-caches), max_num_seqs running at once, and decode_batch decode rows per step (round robin). A request is
-admitted only when the KvCacheManager gives every cache group its pages atomically; when pages run out
-while running, the newest running request is preempted (blocks freed, recomputed later) and waiting
-requests are readmitted in arrival order, so none starves.
+appliance.core.step_limits.step_limits(rc), the description the startup profile measures the worst steps
+of: the step's token budget (max_num_batched_tokens), the per-step chunk cap (layout.tokens_in_flight for
+ring caches), max_num_seqs running at once, and decode_batch one-token rows per step (round robin).
+A request is admitted only when the KvCacheManager gives every cache group its pages atomically; when pages
+run out while running, the newest running request is preempted (blocks freed, recomputed later) and
+waiting requests are readmitted in arrival order, so none starves.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.step_limits import step_limits
 from appliance.engine.kv_cache_manager import KvCapacityError
 from appliance.engine.sequence import SeqStatus, Sequence
 
@@ -32,11 +34,7 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, rc: RuntimeConfig, kv_cache_manager):
         self.kv = kv_cache_manager
-        self.max_num_seqs = rc.max_num_seqs
-        self.max_num_batched_tokens = rc.max_num_batched_tokens
-        self.decode_batch = rc.decode_batch
-        in_flight = rc.model.layout.tokens_in_flight
-        self.chunk_cap = min(in_flight, rc.max_num_batched_tokens) if in_flight else rc.max_num_batched_tokens
+        self.limits = step_limits(rc)
         self.block_size = rc.block_size
         self.enable_prefix_caching = rc.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
@@ -62,7 +60,7 @@ class Scheduler:
     def _chunk(self, start: int, pending: int, budget: int) -> int:
         """Tokens to compute now. A partial prefill chunk ends on a block boundary, so that every chunk
         starts page-aligned and a ring group never needs more than its max_blocks_per_seq slots."""
-        n = min(pending, budget, self.chunk_cap)
+        n = min(pending, budget, self.limits.max_chunk)
         if n < pending:
             n = (start + n) // self.block_size * self.block_size - start
         return max(n, 0)
@@ -87,8 +85,8 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         self.step += 1
-        budget = self.max_num_batched_tokens
-        decode_rows = self.decode_batch
+        budget = self.limits.max_tokens
+        decode_rows = self.limits.max_decode_rows
         scheduled: list[ScheduledSeq] = []
 
         # Running sequences, oldest first; decode rows go to those that waited longest for one.
@@ -102,6 +100,8 @@ class Scheduler:
             n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
             if n == 0 or (seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders):
                 continue
+            if n == 1 and decode_rows == 0:      # a 1-token chunk is a decode row to the runner too
+                continue
             while not self._allocate(seq, n):
                 victim = self.running[-1]  # newest
                 self._preempt(victim)
@@ -114,7 +114,7 @@ class Scheduler:
                     decode_rows -= 1
 
         # Waiting sequences, strictly in order: the head is never overtaken.
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.limits.max_seqs and budget > 0:
             seq = self.waiting[0]
             if self.enable_prefix_caching:
                 cached = self.kv.match_prefix(seq.request_id, seq.token_ids)

@@ -114,8 +114,10 @@ def test_make_plan_uses_profile_and_given_peak():
     rc = load_runtime_config(["+model=dsv4", "mode=plan", "device=ascend_a3", "max_model_len=8192",
                               f"plan.peak_non_kv_bytes={30 * GiB}"])
     p = make_plan(rc)
-    assert len(p.devices) == 16 and all(d.total_bytes == 64 * GiB for d in p.devices)
-    assert p.budget_bytes == int(64 * GiB * 0.9) - 30 * GiB
+    a3 = 65_787_658_240                        # what the runtime reports for one A3 die
+    assert len(p.devices) == 16 and all(d.total_bytes == a3 for d in p.devices)
+    assert all(d.non_torch_margin_bytes == GiB for d in p.devices)      # conf/device/ascend_a3.yaml
+    assert p.budget_bytes == int(a3 * 0.9) - 30 * GiB - GiB
 
 
 def test_cli_plan_prints_table_and_writes_json(cli, tmp_path):
@@ -137,3 +139,52 @@ def test_cli_plan_too_small_exits_2_with_message(cli):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "npu:0" in proc.stderr and "peak_non_kv" in proc.stderr and "raise npu_memory_utilization" in proc.stderr
+
+
+def test_non_torch_margin_comes_off_every_budget(dsv4_8k):
+    margin = 1 << 30
+    devs = [DeviceMemory(f"npu:{i}", 64 * GiB, 64 * GiB, 20 * GiB, margin) for i in range(2)]
+    p = plan(dsv4_8k, devs)
+    assert p.budget_bytes == int(64 * GiB * 0.9) - 20 * GiB - margin
+    assert p.capacity_slots == (p.budget_bytes - p.scratch_bytes) // p.bytes_per_slot
+    assert all(d.non_torch_margin_bytes == margin for d in p.devices)
+    with pytest.raises(InsufficientMemoryError, match="peak_non_kv \\+ the non-torch margin exceed"):
+        plan(dsv4_8k, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, int(64 * GiB * 0.9) - 1, margin)])
+
+
+def test_non_torch_margin_follows_the_device_kind():
+    from appliance.core.config import DeviceSettings
+    from appliance.core.planner import non_torch_margin
+    auto = DeviceSettings(kind="auto", non_torch_margin_bytes=GiB)
+    assert (non_torch_margin(auto, "npu"), non_torch_margin(auto, "cuda"), non_torch_margin(auto, "cpu")) == (GiB, GiB, 0)
+    cpu = DeviceSettings(kind="cpu", non_torch_margin_bytes=123)
+    assert non_torch_margin(cpu, "cpu") == 123          # asked for explicitly: kept
+
+
+def test_free_memory_below_total_x_utilization_is_refused(dsv4_8k):
+    from appliance.core.planner import check_free_memory
+    ok = DeviceMemory("npu:0", 64 * GiB, int(64 * GiB * 0.9), 0)
+    check_free_memory([ok], 0.9)
+    busy = DeviceMemory("npu:1", 64 * GiB, 32 * GiB, 0)
+    with pytest.raises(InsufficientMemoryError) as err:
+        plan(dsv4_8k, [ok, busy])
+    assert str(err.value) == (
+        "device npu:1: free memory 34,359,738,368 B (32.00 GiB) is less than total 68,719,476,736 B (64.00 GiB) x "
+        "npu_memory_utilization 0.9 = 61,847,529,062 B (57.60 GiB); something else holds 34,359,738,368 B "
+        "(32.00 GiB) of it. Fix: free the device (npu-smi info / nvidia-smi show its processes) or lower "
+        "npu_memory_utilization to at most 0.500.")
+
+
+def test_slots_that_fit_after_a_failed_allocation(dsv4_8k):
+    from appliance.core.planner import UNEXPLAINED_FAILURE_SHRINK, slots_that_fit
+    margin = GiB
+    devs = [DeviceMemory(f"npu:{i}", 64 * GiB, 64 * GiB, 20 * GiB, margin) for i in range(2)]
+    p = plan(dsv4_8k, devs)
+    held = 15 * GiB                          # weights still resident: 5 GiB of activations are still to come
+    free = [margin + 5 * GiB + p.scratch_bytes + 7 * p.bytes_per_slot + 5,
+            margin + 5 * GiB + p.scratch_bytes + 9 * p.bytes_per_slot]
+    assert slots_that_fit(p, devs, free, [held, held]) == 7              # the device with less room decides
+    assert slots_that_fit(p, devs, [0, 0], [held, held]) == 0
+    # A report that cannot explain the failure (the plan would fit): give back a fraction, not one slot.
+    assert slots_that_fit(p, devs, [64 * GiB] * 2, [held, held]) == (
+        p.capacity_slots - p.capacity_slots // UNEXPLAINED_FAILURE_SHRINK)

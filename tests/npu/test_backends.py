@@ -1,21 +1,31 @@
-"""Backends: selection and its reasons, clear errors for missing devices, CPU memory probe, fake probe."""
+"""Backends: selection and its reasons, clear errors for missing devices, CPU memory probe, fake probe, and,
+through a fake torch_npu, which devices and threads the NPU backend, the launcher and the engine touch."""
 
 import importlib.util
 import logging
+import threading
 
 import pytest
 import torch
 
+from appliance.config.compose import load_runtime_config
 from appliance.core.config import DeviceSettings
+from appliance.core.planner import InsufficientMemoryError
+from appliance.core.request import SamplingParams
+from appliance.engine.loop import Engine
 from npu.backends import (
     BackendUnavailableError,
     CpuBackend,
     MemoryStats,
+    NpuBackend,
     read_meminfo,
     select_backend,
 )
 from npu.cpu_memory import AllocationTracker
-from npu.fake import FakeBackend, FakeMemoryProbe
+from npu.fake import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
+from npu.launcher import launch
+from tests.npu import fake_torch_npu
+from tests.npu.fake_torch_npu import FakeNpuDevice, FakeNpuRuntime
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -137,46 +147,95 @@ def test_fake_backend_reports_per_device_npu_numbers():
         FakeMemoryProbe(16, [1, 2, 3])
 
 
-class FakeAcceleratorModule:
-    """Stands in for torch.cuda / torch.npu: memory counters a test can move."""
-
-    def __init__(self, total, used, reserved, peak):
-        self.total, self.used, self.reserved, self.peak = total, used, reserved, peak
-        self.resets = []
-
-    def mem_get_info(self, i):
-        return self.total - self.used, self.total
-
-    def memory_reserved(self, i):
-        return self.reserved
-
-    def max_memory_allocated(self, i):
-        return self.peak
-
-    def reset_peak_memory_stats(self, i):
-        self.resets.append(i)
-
-    def synchronize(self, i):
-        pass
-
-    def empty_cache(self):
-        pass
+def npu_runtime(count=8, total=64 * GiB, used_by_others=0):
+    return FakeNpuRuntime([FakeNpuDevice(total, used_by_others) for _ in range(count)])
 
 
-def test_accelerator_probe_adds_non_torch_growth_and_honours_a_cap():
-    from npu.backends import AcceleratorBackend
-
-    class Accel(AcceleratorBackend):
-        kind = "cuda"
-
-    mod = FakeAcceleratorModule(total=80 * GiB, used=1 * GiB, reserved=GiB // 2, peak=0)
-    backend = Accel(mod, count=2)
+def test_accelerator_probe_adds_non_torch_growth_and_honours_a_cap(monkeypatch):
+    runtime = npu_runtime(count=2, total=80 * GiB)
+    fake_torch_npu.install(monkeypatch, runtime)
+    for d in runtime.devices:
+        d.used_by_others, d.reserved = GiB // 2, GiB // 2
+    backend = NpuBackend(count=2)
     backend.reset_peak()
-    assert mod.resets == [0, 1]
-    mod.used, mod.reserved, mod.peak = 11 * GiB, 9 * GiB, 8 * GiB   # torch grew by 8.5 GiB, the rest by 1.5 GiB
-    stats = backend.memory(1)
-    assert stats == MemoryStats(80 * GiB, 69 * GiB, 8 * GiB, 3 * GiB // 2)
-    capped = Accel(mod, count=1, memory_bytes_per_device=40 * GiB).memory(0)
+    assert [t.device for t in runtime.touches if t.call == "reset_peak_memory_stats"] == [0, 1]
+    dev = runtime.devices[1]
+    dev.used_by_others, dev.reserved, dev.allocated, dev.peak = 2 * GiB, 9 * GiB, 7 * GiB, 8 * GiB
+    # outside torch the device grew by 1.5 GiB (0.5 -> 2 GiB); free = 80 - 2 - 9 GiB
+    assert backend.memory(1) == MemoryStats(80 * GiB, 69 * GiB, 8 * GiB, 3 * GiB // 2, 7 * GiB)
+    capped = NpuBackend(count=1, memory_bytes_per_device=40 * GiB).memory(0)
     assert (capped.total_bytes, capped.free_bytes) == (40 * GiB, 40 * GiB)
-    with pytest.raises(BackendUnavailableError, match="exceeds cuda:0's physical memory"):
-        Accel(mod, count=1, memory_bytes_per_device=81 * GiB)
+    with pytest.raises(BackendUnavailableError, match="exceeds npu:0's physical memory"):
+        NpuBackend(count=1, memory_bytes_per_device=81 * GiB)
+
+
+def test_only_configured_npus_are_touched(monkeypatch):
+    runtime = npu_runtime(count=8)
+    fake_torch_npu.install(monkeypatch, runtime)
+    backend = select_backend(device("npu"))                 # device.count null: one device, not all eight
+    backend.set_device(0)
+    backend.reset_peak()
+    backend.memory(0)
+    backend.synchronize()
+    assert backend.count == 1 and runtime.touched_devices() == {0}
+    runtime.touches.clear()
+    two = select_backend(device("npu", count=2))
+    two.reset_peak()
+    [two.memory(i) for i in range(2)]
+    assert runtime.touched_devices() == {0, 1}
+    with pytest.raises(BackendUnavailableError, match="device.count=9 but only 8 npu device"):
+        select_backend(device("npu", count=9))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto would pick cuda here")
+@pytest.mark.parametrize("error", [RuntimeError("NPU device conflict: the device is in use"),
+                                   OSError("libascendcl.so: cannot open shared object file"),
+                                   ImportError("torch_npu was built for torch 2.5")])
+def test_auto_survives_torch_npu_raising_anything_on_import(monkeypatch, caplog, error):
+    fake_torch_npu.install(monkeypatch, error=error)
+    with caplog.at_level(logging.INFO, logger="npu.backends"):
+        backend = select_backend(device("auto"))
+    assert isinstance(backend, CpuBackend)
+    assert f"device=auto chose cpu: torch_npu failed to import ({type(error).__name__}: {error})" in caplog.text
+    with pytest.raises(BackendUnavailableError, match=f"not importable \\({type(error).__name__}: "):
+        select_backend(device("npu"))
+
+
+def test_too_little_free_npu_memory_fails_before_loading(monkeypatch):
+    runtime = npu_runtime(count=1, total=64 * GiB, used_by_others=10 * GiB)   # 54 GiB free < 0.9 x 64 GiB
+    fake_torch_npu.install(monkeypatch, runtime)
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=npu"])
+    runner = ShapeOnlyRunner(rc.model)
+    with pytest.raises(InsufficientMemoryError, match=r"device npu:0: free memory 57,982,058,496 B \(54.00 GiB\) is "
+                                                      r"less than total 68,719,476,736 B \(64.00 GiB\) x "
+                                                      r"npu_memory_utilization 0.9"):
+        launch(rc, NpuBackend(), runner)
+    assert runner.allocation_attempts == [] and runtime.touched_devices() == {0}
+
+
+class NpuOnCpu(NpuBackend):
+    """The NPU backend over the fake torch_npu, with tensors on the host (torch has no npu device here)."""
+
+    def torch_device(self, index=0):
+        self._indices(index)
+        return torch.device("cpu")
+
+
+def test_startup_and_engine_threads_make_the_npu_current(monkeypatch):
+    runtime = npu_runtime(count=4)
+    fake_torch_npu.install(monkeypatch, runtime)
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=npu", f"device.memory_bytes_per_device={64 * MiB}",
+                              "device.non_torch_margin_bytes=0"])
+    runtime.devices[0].allocated = 8 * MiB       # the "weights": what the profile's peak starts from
+    engine = Engine(rc, backend=NpuOnCpu(memory_bytes_per_device=64 * MiB))
+    starter = threading.Thread(target=engine.start, name="engine-start")
+    starter.start()
+    starter.join()
+    try:
+        outputs = list(engine.submit("r1", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
+        set_by = {(t.thread, t.device) for t in runtime.touches if t.call == "set_device"}
+        assert set_by == {("engine-start", 0), ("engine-loop", 0)}
+        assert runtime.touched_devices() == {0}      # devices 1-3 are visible but never opened
+    finally:
+        engine.shutdown()

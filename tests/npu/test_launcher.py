@@ -1,5 +1,6 @@
-"""Startup sequence: NPU-scale plans through the fake probe equal mode=plan's, fail-fast per device,
-allocation retries, and a real tiny Qwen3 start on the CPU whose capacities equal the planner's."""
+"""Startup sequence: NPU-scale plans through the fake probe equal mode=plan's, fail-fast per device (free
+memory before loading, budget after profiling), re-planning after a failed allocation, and a real tiny
+Qwen3 start on the CPU whose capacities equal the planner's."""
 
 
 import pytest
@@ -11,23 +12,24 @@ from appliance.core.planner import DeviceMemory, InsufficientMemoryError, plan_c
 from appliance.modes.plan import make_plan
 from npu.backends import CpuBackend
 from npu.fake import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
-from npu.launcher import launch, profile_shape
+from npu.launcher import launch
 from npu.qwen3 import Qwen3Runner
 from npu.registry import runner_class
 from npu.step import SeqStep, StepBatch
 
 GiB = 1 << 30
 MiB = 1 << 20
+A3_BYTES = 65_787_658_240      # what torch.npu.mem_get_info reports for one A3 die (conf/device/ascend_a3.yaml)
 NPU_64G = 64 * GiB
 DSV4_SERVE = ["+model=dsv4", "max_model_len=8192", "device=npu", "device.count=16",
-              f"device.memory_bytes_per_device={NPU_64G}"]
+              f"device.memory_bytes_per_device={A3_BYTES}"]
 
 
-def fake_npus(peak_non_kv, rc, count=16):
-    """16 x 64 GiB whose allocator peak is the non-KV peak plus the scratch pools, as on a real device."""
+def fake_npus(peak_non_kv, rc, count=16, free=None):
+    """16 A3 dies whose allocator peak is the non-KV peak plus the scratch pools, as on a real device."""
     scratch = scratch_bytes(rc.model.cache_groups, rc.decode_batch)
     peaks = [p + scratch for p in peak_non_kv] if isinstance(peak_non_kv, list) else peak_non_kv + scratch
-    return FakeBackend(FakeMemoryProbe(count, NPU_64G, peaks), kind="npu")
+    return FakeBackend(FakeMemoryProbe(count, A3_BYTES, peaks, free), kind="npu")
 
 
 def test_npu_scale_startup_equals_mode_plan():
@@ -47,37 +49,67 @@ def test_npu_scale_startup_equals_mode_plan():
 def test_one_device_over_budget_fails_fast_naming_it():
     rc = load_runtime_config(DSV4_SERVE)
     peaks = [40 * GiB] * 16
-    peaks[5] = int(NPU_64G * 0.9) + 1          # nothing left for the KV cache on npu:5 only
+    peaks[5] = int(A3_BYTES * 0.9) + 1         # nothing left for the KV cache on npu:5 only
     runner = ShapeOnlyRunner(rc.model)
     with pytest.raises(InsufficientMemoryError, match="device npu:5: .*peak_non_kv alone exceeds"):
         launch(rc, fake_npus(peaks, rc), runner)
     assert len(runner.allocation_attempts) == 1 and runner.pools == {}   # only the scratch-only profile pools
 
 
-def test_failed_allocation_gives_back_slots_until_it_fits():
+def test_too_little_free_memory_fails_before_loading_naming_the_device():
+    rc = load_runtime_config(DSV4_SERVE)
+    free = [A3_BYTES] * 16
+    free[3] = 40 * GiB                         # another process holds about 21 GiB of npu:3
+    runner = ShapeOnlyRunner(rc.model)
+    with pytest.raises(InsufficientMemoryError) as err:
+        launch(rc, fake_npus(40 * GiB, rc, free=free), runner)
+    msg = str(err.value)
+    assert msg.startswith("device npu:3: free memory 42,949,672,960 B (40.00 GiB) is less than total "
+                          "65,787,658,240 B (61.27 GiB) x npu_memory_utilization 0.9")
+    assert "lower npu_memory_utilization to at most 0.653" in msg
+    assert runner.allocation_attempts == []    # failed before loading weights or allocating anything
+
+
+class DeviceThatShrinks(FakeBackend):
+    """After a failed allocation (the launcher empties the cache), the devices report `free_after` free."""
+
+    def __init__(self, probe, free_after):
+        super().__init__(probe, kind="npu")
+        self.free_after = free_after
+
+    def empty_cache(self):
+        self.probe.free = [self.free_after] * self.count
+
+
+def test_failed_allocation_replans_from_the_free_memory_reported_after_it():
     rc = load_runtime_config(DSV4_SERVE)
     peak = 40 * GiB
     planned = make_plan(load_runtime_config(["+model=dsv4", "max_model_len=8192", "mode=plan", "device=ascend_a3",
                                              f"plan.peak_non_kv_bytes={peak}"]))
-    fits = planned.capacity_slots - 3
+    fits = planned.capacity_slots - 5
+    margin = rc.device.non_torch_margin_bytes
+    # Another process took memory after startup: the pools now get what is left after the activations still
+    # to come (peak_non_kv, the probe holds nothing now) and the margin, plus part of one more slot.
+    free_after = margin + peak + planned.scratch_bytes + fits * planned.bytes_per_slot + planned.bytes_per_slot // 2
     runner = ShapeOnlyRunner(rc.model, max_pool_bytes=planned.scratch_bytes + fits * planned.bytes_per_slot)
-    runner, report = launch(rc, fake_npus(peak, rc), runner)
-    assert report.allocation_retries == 3 and report.capacity_slots == fits
+    backend = DeviceThatShrinks(fake_npus(peak, rc).probe, free_after)
+    runner, report = launch(rc, backend, runner)
+    assert report.allocation_retries == 1 and report.capacity_slots == fits      # one re-plan, not 5 tries
     assert report.plan.override == f"num_slots_override={fits}"
     assert [sum(a.values()) for a in runner.allocation_attempts[1:]] == [
-        s * sum(g.max_blocks_per_seq for g in rc.model.cache_groups) for s in range(planned.capacity_slots, fits - 1, -1)]
+        s * sum(g.max_blocks_per_seq for g in rc.model.cache_groups) for s in (planned.capacity_slots, fits)]
     for g in report.plan.groups:
         assert runner.pools[g.name].shape[1] == g.num_blocks + rc.decode_batch
 
 
-def test_profile_shape_caps_deepseek_steps_at_tokens_in_flight():
-    dsv4 = load_runtime_config(["max_num_seqs=4", "max_num_batched_tokens=512"])   # default dsv4_tiny, 32 in flight
-    assert dsv4.model.layout.tokens_in_flight == 32
-    assert profile_shape(dsv4) == (4 * 32, 4)
-    qwen = load_runtime_config(["+model=qwen3_tiny", "max_num_seqs=4", "max_num_batched_tokens=512"])
-    assert profile_shape(qwen) == (512, 4)
-    few = load_runtime_config(["+model=qwen3_tiny", "max_num_seqs=32", "max_num_batched_tokens=16"])
-    assert profile_shape(few) == (16, 16)                          # no more sequences than tokens
+def test_failed_allocation_with_no_room_left_is_a_clear_error():
+    rc = load_runtime_config(DSV4_SERVE)
+    runner = ShapeOnlyRunner(rc.model, max_pool_bytes=scratch_bytes(rc.model.cache_groups, rc.decode_batch))
+    backend = DeviceThatShrinks(fake_npus(40 * GiB, rc).probe, free_after=41 * GiB)
+    with pytest.raises(InsufficientMemoryError, match=r"too little free memory for one slot .*npu:0 free "
+                                                      r"44,023,414,784 B"):
+        launch(rc, backend, runner)
+    assert runner.pools == {}
 
 
 def test_runner_registry():
@@ -115,8 +147,7 @@ def test_tiny_qwen3_peak_covers_weights_and_activations(tiny_qwen3_start):
     weights = sum(t.numel() * t.element_size() for t in {t.untyped_storage().data_ptr(): t
                                                           for t in runner.weight_tensors()}.values())
     peak = report.plan.devices[0].peak_non_kv_bytes
-    tokens, _ = profile_shape(rc)
-    hidden_bytes = tokens * rc.model.layout.hidden_size * 4
+    hidden_bytes = rc.max_num_batched_tokens * rc.model.layout.hidden_size * 4
     assert peak >= weights + hidden_bytes          # weights + at least the residual stream of the profile step
     assert peak < weights + 200 * hidden_bytes     # but not the KV pools or anything unbounded
 

@@ -125,21 +125,6 @@ def test_batching_and_chunking_do_not_change_greedy_output(runner, prompts):
         assert alone[0] == together[i]
 
 
-def test_profile_batch_runs_on_scratch_pages_only(ckpt):
-    r = Qwen3Runner(ckpt, "cpu")
-    r.load_weights()
-    r.allocate_pools({"kv": 0}, 8)
-    batch = r.profile_batch(max_num_tokens=100, max_num_seqs=16)
-    assert sum(len(s.token_ids) for s in batch.seqs) == 100
-    assert len(batch.seqs) == 16
-    ctx = r.spec.max_blocks_per_seq * r.block_size
-    for s in batch.seqs:
-        assert s.start_pos + len(s.token_ids) == ctx          # attention reads a full-length history
-        assert all(8 > p - r.num_blocks["kv"] >= 0 for p in s.block_tables["kv"])
-    out = r.execute(batch)
-    assert out.shape == (16, ckpt.layout.vocab_size) and torch.isfinite(out).all()
-
-
 def test_short_block_table_is_a_clear_error(runner):
     runner.allocate_pools({"kv": 4}, 1)
     with pytest.raises(ValueError, match="request bad: block table 'kv' covers 16 tokens, the step needs 20"):

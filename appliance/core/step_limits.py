@@ -1,0 +1,99 @@
+"""The shapes one engine step may take: the scheduler obeys them, the startup profile measures their worst.
+
+The KV cache is sized from the peak memory of a profiling run (npu.launcher), so that peak is a bound only
+if no step the scheduler issues is heavier than a profiled one. Both sides therefore read one description,
+`step_limits(rc)`: the scheduler never exceeds it, and `worst_steps(limits)` lists the heaviest steps it
+allows, which the launcher runs (on scratch pages, with the sampler at its largest batch) before planning.
+
+Which step is heaviest depends on the runner's math, so every extreme is listed, not one guess:
+- the largest decode gather: decode_batch rows at full context (runs first, so that buffers a runner keeps
+  between steps, such as a gather workspace, are at their largest while the others run);
+- one sequence with the whole budget at full context (the widest attention: chunk x max_model_len);
+- the budget as chunks from position 0, as many as fit (one attention call over equal chunks);
+- decode_batch decodes plus the rest of the budget as chunks at full context (runners that pad every row
+  of a step to its longest chunk peak here).
+Contexts end at max_model_len, one token beyond what a request can reach (its last token is sampled, never
+computed), so the profile errs on the safe side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance.core.config import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What one step may hold. The scheduler's bounds; the profile's worst cases are built from them."""
+
+    max_tokens: int          # tokens computed in one step (max_num_batched_tokens)
+    max_seqs: int            # sequences in one step (max_num_seqs)
+    max_decode_rows: int     # one-token rows in one step (decode_batch, at most max_seqs and max_tokens)
+    max_chunk: int           # tokens one sequence computes in one step (layout.tokens_in_flight caps it for rings)
+    max_context: int         # tokens a sequence holds, this step's included (max_model_len)
+
+    @property
+    def max_sampled_rows(self) -> int:
+        """Logits rows the sampler may get in one step: one per scheduled sequence."""
+        return min(self.max_seqs, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class SeqShape:
+    """One sequence's share of a step: num_tokens computed after start_pos cached tokens."""
+
+    num_tokens: int
+    start_pos: int
+
+    @property
+    def end(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(frozen=True)
+class StepShape:
+    name: str
+    seqs: tuple[SeqShape, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+def step_limits(rc: RuntimeConfig) -> StepLimits:
+    """The one description of a legal step for this config (what the scheduler and the profile both read)."""
+    in_flight = rc.model.layout.tokens_in_flight
+    chunk = min(in_flight, rc.max_num_batched_tokens) if in_flight else rc.max_num_batched_tokens
+    return StepLimits(
+        max_tokens=rc.max_num_batched_tokens, max_seqs=rc.max_num_seqs,
+        max_decode_rows=min(rc.decode_batch, rc.max_num_seqs, rc.max_num_batched_tokens),
+        max_chunk=min(chunk, rc.max_model_len), max_context=rc.max_model_len)
+
+
+def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
+    """Up to `count` chunk lengths of at most `chunk` tokens adding up to at most `tokens`; a chunk has at
+    least 2 tokens (a 1-token row is a decode row, which the step's decode limit counts)."""
+    lengths = []
+    while tokens >= 2 and len(lengths) < count:
+        lengths.append(min(chunk, tokens))
+        tokens -= lengths[-1]
+    return lengths
+
+
+def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
+    """The heaviest steps `limits` allow, each within them (see the module docstring); decode gather first."""
+    ctx, chunk, rows = limits.max_context, limits.max_chunk, limits.max_decode_rows
+    decode = tuple(SeqShape(1, ctx - 1) for _ in range(rows))
+    steps = []
+    if decode:
+        steps.append(StepShape("decode_gather", decode))
+    if chunk >= 2:
+        steps.append(StepShape("long_chunk", (SeqShape(chunk, ctx - chunk),)))
+        wave = _chunks(limits.max_tokens, chunk, limits.max_seqs)
+        if len(wave) > 1:
+            steps.append(StepShape("prefill_wave", tuple(SeqShape(n, 0) for n in wave)))
+        mixed = _chunks(limits.max_tokens - rows, chunk, limits.max_seqs - rows)
+        if decode and mixed:
+            steps.append(StepShape("decodes_and_chunks", decode + tuple(SeqShape(n, ctx - n) for n in mixed)))
+    return tuple(steps)

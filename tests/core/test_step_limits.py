@@ -1,0 +1,44 @@
+"""step_limits: one description of a legal step; worst_steps stays inside it and reaches its extremes
+(tests/engine/test_scheduler_limits.py checks that the scheduler never leaves it)."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.config.compose import load_runtime_config
+from appliance.core.step_limits import StepLimits, step_limits, worst_steps
+
+
+def test_limits_come_from_the_config_and_cap_chunks_at_tokens_in_flight():
+    dsv4 = step_limits(load_runtime_config(["max_num_seqs=4", "max_num_batched_tokens=512", "decode_batch=8"]))
+    assert dsv4 == StepLimits(max_tokens=512, max_seqs=4, max_decode_rows=4, max_chunk=32, max_context=512)
+    qwen = step_limits(load_runtime_config(["+model=qwen3_tiny", "max_model_len=256", "max_num_batched_tokens=1024"]))
+    assert (qwen.max_chunk, qwen.max_context, qwen.max_sampled_rows) == (256, 256, 16)
+
+
+limits_strategy = st.builds(
+    lambda t, s, d, c, m: StepLimits(max_tokens=t, max_seqs=s, max_decode_rows=min(d, s, t), max_chunk=min(c, t, m),
+                                     max_context=m),
+    st.integers(1, 300), st.integers(1, 40), st.integers(1, 40), st.integers(1, 300), st.integers(2, 600))
+
+
+@given(limits_strategy)
+def test_worst_steps_are_legal_and_reach_every_extreme(limits):
+    steps = {s.name: s for s in worst_steps(limits)}
+    for step in steps.values():
+        assert 0 < step.num_tokens <= limits.max_tokens and len(step.seqs) <= limits.max_seqs
+        assert sum(s.num_tokens == 1 for s in step.seqs) <= limits.max_decode_rows
+        assert all(1 <= s.num_tokens <= limits.max_chunk and s.start_pos >= 0 and s.end <= limits.max_context
+                   for s in step.seqs)
+    assert next(iter(steps)) == "decode_gather"               # buffers kept between steps grow to their largest first
+    gather = steps["decode_gather"].seqs
+    assert len(gather) == limits.max_decode_rows and all(s.end == limits.max_context for s in gather)
+    if limits.max_chunk >= 2:
+        (long,) = steps["long_chunk"].seqs
+        assert (long.num_tokens, long.end) == (limits.max_chunk, limits.max_context)
+        rest = limits.max_tokens - limits.max_decode_rows
+        if rest >= 2 and limits.max_seqs > limits.max_decode_rows:
+            mixed = steps["decodes_and_chunks"].seqs
+            assert sum(s.num_tokens == 1 for s in mixed) == limits.max_decode_rows
+            assert max(s.num_tokens for s in mixed) == min(limits.max_chunk, rest)
+    else:
+        assert list(steps) == ["decode_gather"]
