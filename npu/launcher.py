@@ -129,7 +129,7 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner,
     scratch = pool_bytes(runner)
     limits = step_limits(rc)
     log.info("[2/4] profiling the heaviest steps the scheduler can issue (budget %d tokens, %d sequences) and "
-             "the sampler, to measure peak memory", limits.max_num_batched_tokens, limits.max_num_seqs)
+             "the sampler, to measure peak memory", limits.max_tokens, limits.max_seqs)
     t0 = time.perf_counter()
     try:
         backend.reset_peak()
