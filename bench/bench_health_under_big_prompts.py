@@ -41,7 +41,7 @@ WORDS = "the appliance serves language models on accelerator servers with a page
 
 
 def start_server(overrides: list[str], run_dir: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0",
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0", "server.http_port=null",
                              f"hydra.run.dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     address = None

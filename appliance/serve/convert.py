@@ -40,7 +40,8 @@ def startup_response(report: StartupReport) -> pb.StartupResponse:
         decode_batch=plan.decode_batch, block_size=plan.block_size, max_model_len=plan.max_model_len,
         devices=[pb.DeviceMemory(name=d.name, total_bytes=d.total_bytes, free_bytes=d.free_bytes,
                                  peak_non_kv_bytes=d.peak_non_kv_bytes, usable_bytes=d.usable_bytes,
-                                 budget_bytes=d.budget_bytes, headroom_bytes=d.headroom_bytes)
+                                 budget_bytes=d.budget_bytes, headroom_bytes=d.headroom_bytes,
+                                 non_torch_margin_bytes=d.non_torch_margin_bytes)
                  for d in plan.devices],
         scratch_bytes=plan.scratch_bytes, bytes_per_slot=plan.bytes_per_slot, capacity_slots=plan.capacity_slots,
         max_concurrency=plan.max_concurrency, kv_tokens_per_device=plan.kv_tokens_per_device,
@@ -61,8 +62,8 @@ def startup_report(msg: pb.StartupResponse) -> StartupReport:
     plan = CapacityPlan(
         utilization=msg.npu_memory_utilization, decode_batch=msg.decode_batch, max_model_len=msg.max_model_len,
         block_size=msg.block_size,
-        devices=tuple(DeviceBudget(d.name, d.total_bytes, d.free_bytes, d.peak_non_kv_bytes, d.usable_bytes,
-                                   d.budget_bytes, d.headroom_bytes) for d in msg.devices),
+        devices=tuple(DeviceBudget(d.name, d.total_bytes, d.free_bytes, d.peak_non_kv_bytes, d.non_torch_margin_bytes,
+                                   d.usable_bytes, d.budget_bytes, d.headroom_bytes) for d in msg.devices),
         limiting_device=msg.limiting_device, budget_bytes=msg.budget_bytes, scratch_bytes=msg.scratch_bytes,
         bytes_per_slot=msg.bytes_per_slot, capacity_slots=msg.capacity_slots,
         groups=tuple(GroupPlan(g.name, HISTORY_NAMES.get(g.history, "?"), g.layers, g.rows_per_block,

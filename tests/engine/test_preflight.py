@@ -90,7 +90,7 @@ def test_a_bad_checkpoint_is_found_before_the_port_is_bound(tmp_path, busy_port)
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
     rc, stdout, stderr, _ = run_measured(tmp_path, "+model=qwen3_tiny", f"model.weights={ckpt}",
-                                         f"server.port={busy_port}")
+                                         f"server.port={busy_port}", "server.http_port=null")
     assert_startup_fault(rc, stdout, stderr, f"checkpoint file '{ckpt / 'model.safetensors'}'")
 
 
@@ -101,7 +101,7 @@ def test_bench_runs_the_preflight_too_a_missing_backend_exits_2(tmp_path):
 
 
 def test_a_busy_port_exits_2_suggesting_server_port(tmp_path, busy_port):
-    rc, _, stderr, _ = run_measured(tmp_path, "device=cpu", f"server.port={busy_port}")
+    rc, _, stderr, _ = run_measured(tmp_path, "device=cpu", f"server.port={busy_port}", "server.http_port=null")
     assert rc == 2 and "Traceback" not in stderr
     assert f"error: cannot listen on server.host=127.0.0.1 server.port={busy_port}: the port is in use" in stderr
     assert f"server.port={busy_port + 1}" in stderr
@@ -110,7 +110,7 @@ def test_a_busy_port_exits_2_suggesting_server_port(tmp_path, busy_port):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is available here")
 def test_hydra_full_error_adds_the_traceback_and_keeps_exit_2(tmp_path, busy_port):
-    rc, stdout, stderr, _ = run_measured(tmp_path, "device=cuda", f"server.port={busy_port}",
+    rc, stdout, stderr, _ = run_measured(tmp_path, "device=cuda", f"server.port={busy_port}", "server.http_port=null",
                                          env={"HYDRA_FULL_ERROR": "1"})
     assert rc == 2
     assert "Traceback" in stderr and "BackendUnavailableError: device.kind=cuda but torch.cuda.is_available()" in stderr

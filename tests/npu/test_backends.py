@@ -227,7 +227,8 @@ def test_startup_and_engine_threads_make_the_npu_current(monkeypatch):
     rc = load_runtime_config(["+model=qwen3_tiny", "device=npu", f"device.memory_bytes_per_device={64 * MiB}",
                               "device.non_torch_margin_bytes=0"])
     runtime.devices[0].allocated = 8 * MiB       # the "weights": what the profile's peak starts from
-    engine = Engine(rc, backend=NpuOnCpu(memory_bytes_per_device=64 * MiB))
+    monkeypatch.setattr("npu.launcher.select_backend", lambda device: NpuOnCpu(memory_bytes_per_device=64 * MiB))
+    engine = Engine(rc)
     starter = threading.Thread(target=engine.start, name="engine-start")
     starter.start()
     starter.join()

@@ -439,7 +439,7 @@ def test_bearer_token(base_rc, running):
 
 def test_the_token_is_never_returned_or_written(running, tmp_path, capsys):
     token = "Tok3n-0f-the-day"
-    rc = load_runtime_config(["server.port=0", f"server.auth_token={token}"])
+    rc = load_runtime_config(["server.port=0", "server.http_port=null", f"server.auth_token={token}"])
     srv = running(rc, output_dir=tmp_path)
     resp = srv.client(token=token).startup(timeout=10)
     assert token not in resp.resolved_config_yaml and "auth_token: '***'" in resp.resolved_config_yaml

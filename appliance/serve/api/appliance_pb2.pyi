@@ -34,7 +34,7 @@ class StartupRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceMemory(_message.Message):
-    __slots__ = ("name", "total_bytes", "free_bytes", "peak_non_kv_bytes", "usable_bytes", "budget_bytes", "headroom_bytes")
+    __slots__ = ("name", "total_bytes", "free_bytes", "peak_non_kv_bytes", "usable_bytes", "budget_bytes", "headroom_bytes", "non_torch_margin_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class DeviceMemory(_message.Message):
     USABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NON_TORCH_MARGIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     total_bytes: int
     free_bytes: int
@@ -49,7 +50,8 @@ class DeviceMemory(_message.Message):
     usable_bytes: int
     budget_bytes: int
     headroom_bytes: int
-    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., peak_non_kv_bytes: _Optional[int] = ..., usable_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., headroom_bytes: _Optional[int] = ...) -> None: ...
+    non_torch_margin_bytes: int
+    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., peak_non_kv_bytes: _Optional[int] = ..., usable_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., headroom_bytes: _Optional[int] = ..., non_torch_margin_bytes: _Optional[int] = ...) -> None: ...
 
 class CacheGroup(_message.Message):
     __slots__ = ("name", "layers", "rows_per_block", "page_size_bytes", "max_blocks_per_seq", "num_blocks", "total_bytes", "share_of_budget", "history")
