@@ -204,6 +204,7 @@ def test_generate_streams_deltas_then_finish_and_usage(running):
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_are_invalid_argument_naming_the_field(running, case):
     srv = running()
+    wait_for(lambda: srv.server.state == "serving", what="SERVING")   # before it, every call is UNAVAILABLE
     req, field = bad_request(case, FakeEngine.VOCAB, srv.server.rc.max_model_len)
     assert_refused(srv.client().stub, req, field)
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
