@@ -40,10 +40,12 @@ def runner_for_engine(runner: ModelRunner) -> Iterator[None]:
 
 class StepHooks:
     """Mixed in before a real ModelRunner class: records every step as (request_id, start_pos, tokens, sample)
-    rows; raises for steps holding a request in `fail_from` once it reaches the given position; and while
-    `hold` is set, waits inside the step (after setting `held`) until `release` is set."""
+    rows and its new pages (with whether the step raised); raises for steps holding a request in `fail_from`
+    once it reaches the given position; and while `hold` is set, waits inside the step (after setting `held`)
+    until `release` is set."""
 
     steps: list[list[tuple[str, int, int, bool]]]
+    announced: list[tuple[dict[str, list[int]], bool]]
     fail_from: dict[str, int]
     hold: threading.Event
     held: threading.Event
@@ -55,6 +57,7 @@ class StepHooks:
             self.release.wait(HOLD_TIMEOUT_S)
         self.steps.append([(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in batch.seqs])
         failing = [s.request_id for s in batch.seqs if s.start_pos >= self.fail_from.get(s.request_id, 1 << 62)]
+        self.announced.append((batch.new_pages, bool(failing)))
         if failing:
             raise RuntimeError(f"injected runner failure for {failing}")
         return super().execute(batch)
@@ -79,7 +82,7 @@ def hooked_runner(model: ModelSpec) -> ModelRunner:
     """model's real runner class on the CPU, with StepHooks."""
     base = runner_class(model.arch)
     runner = type(f"Hooked{base.__name__}", (StepHooks, base), {})(model, torch.device("cpu"))
-    runner.steps, runner.fail_from = [], {}
+    runner.steps, runner.announced, runner.fail_from = [], [], {}
     runner.hold, runner.held, runner.release = threading.Event(), threading.Event(), threading.Event()
     return runner
 
