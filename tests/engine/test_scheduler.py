@@ -44,13 +44,13 @@ class Scheduled:
 class Driver:
     """A Scheduler with its KvCacheManager, stepped the way the engine loop steps them."""
 
-    def __init__(self, model: str = "qwen3_tiny", slots: float = 2, **settings):
+    def __init__(self, model: str = "qwen3_tiny", *, slots: int = 2, blocks: int | None = None, **settings):
+        """Pools of `slots` capacity slots (max_model_len 128 each), or of `blocks` pages for a single-group
+        model; `settings` replace RuntimeConfig fields (decode_batch, max_num_batched_tokens, ...)."""
         rc = dataclasses.replace(base_config(model), **settings)
         self.rc = rc
         self.kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=rc.enable_prefix_caching)
-        first = rc.model.cache_groups[0]
-        self.kv.initialize(int(slots * first.max_blocks_per_seq) if len(rc.model.cache_groups) == 1
-                           else int(slots) * first.max_blocks_per_seq)
+        self.kv.initialize(blocks if blocks is not None else slots * rc.model.cache_groups[0].max_blocks_per_seq)
         self.sched = Scheduler(rc, self.kv)
         self.finished: list[Sequence] = []
         self.history: list[list[Scheduled]] = []
@@ -133,8 +133,8 @@ def steps_of(driver: Driver, seq: Sequence) -> list[int]:
 def test_newest_running_request_is_preempted_and_readmitted_first():
     # Three requests fit one block each; when the two long ones need a second block, the pool (3 blocks)
     # is empty: the oldest (a) keeps running, c (newest) and then b are preempted, and they wait in
-    # arrival order ahead of a later arrival d.
-    d = Driver(slots=3 / 8, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    # arrival order ahead of a later arrival.
+    d = Driver(blocks=3, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     a, b, c = d.add([5] * 15, 20), d.add([6] * 15, 20), d.add([7] * 3, 20)
     d.step()
     assert d.sched.running == [a, b, c]
@@ -153,7 +153,7 @@ def test_newest_running_request_is_preempted_and_readmitted_first():
 
 
 def test_a_preempted_request_recomputes_its_prompt_and_outputs():
-    d = Driver(slots=3 / 8, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    d = Driver(blocks=3, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     a, b, c = d.add([5] * 15, 30), d.add([6] * 15, 30), d.add([7] * 15, 30)
     for _ in range(3):
         d.step()
@@ -171,7 +171,7 @@ def test_a_preempted_request_recomputes_its_prompt_and_outputs():
 
 def test_the_head_of_the_queue_is_never_overtaken_by_a_request_that_would_fit():
     # The head needs more pages than are free; a short request behind it would fit but must wait.
-    d = Driver(slots=4 / 8, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=128, enable_prefix_caching=False)
+    d = Driver(blocks=4, decode_batch=4, max_num_seqs=8, max_num_batched_tokens=128, enable_prefix_caching=False)
     big = d.add([5] * 40, 20)
     d.step()
     head, small = d.add([6] * 40, 2), d.add([7] * 2, 2)
@@ -254,8 +254,8 @@ def test_random_workloads_keep_every_rule(seed):
     rng = random.Random(seed)
     model = "dsv4_tiny" if seed % 3 == 2 else "qwen3_tiny"
     shared = [rng.randrange(3, 512) for _ in range(64)]
-    d = Driver(model, slots=rng.choice([1, 1.5, 2, 3]) if model == "qwen3_tiny" else rng.choice([1, 2]),
-               decode_batch=rng.randint(1, 4), max_num_seqs=rng.randint(2, 6),
+    pools = {"blocks": rng.choice([8, 12, 16, 24])} if model == "qwen3_tiny" else {"slots": rng.choice([1, 2])}
+    d = Driver(model, **pools, decode_batch=rng.randint(1, 4), max_num_seqs=rng.randint(2, 6),
                max_num_batched_tokens=rng.choice([16, 24, 40, 64, 100]), enable_prefix_caching=bool(seed % 2))
     added = []
     for _ in range(400):
