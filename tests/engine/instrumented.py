@@ -8,7 +8,6 @@ argument); everything else (planning, pools, scheduler, sampler, stop rules, str
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from typing import Iterator, Sequence
 
@@ -29,9 +28,13 @@ HOLD_TIMEOUT_S = 60      # a held step goes on by itself after this long, so a f
 
 @contextlib.contextmanager
 def runner_for_engine(runner: ModelRunner) -> Iterator[None]:
-    """While open, every Engine.start() launches on `runner` instead of building one."""
+    """While open, every Engine.start() launches on `runner` (instead of one it built or was given)."""
     original = engine_loop.launch
-    engine_loop.launch = functools.partial(launch, runner=runner)
+
+    def launch_on_runner(rc: RuntimeConfig, backend=None, _runner=None):
+        return launch(rc, backend, runner)
+
+    engine_loop.launch = launch_on_runner
     try:
         yield
     finally:

@@ -15,6 +15,7 @@ from appliance.client import ApplianceClient
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
 from appliance.serve.server import ApplianceServer
+from tests.engine.instrumented import HookedEngine, hooked_runner
 
 
 def with_server(rc, **changes):
@@ -50,6 +51,14 @@ class Running:
         self.server.request_shutdown()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "server did not stop"
+
+
+def serve_hooked_engine(rc) -> Running:
+    """A server around the real engine on a hooked runner (tests/engine/instrumented.py), once SERVING."""
+    srv = Running(rc, HookedEngine(rc, hooked_runner(rc.model)))
+    wait_for(lambda: srv.server.state != "starting" or not srv.thread.is_alive(), timeout=300, what="engine start")
+    assert srv.server.state == "serving", f"server did not start: {srv.error!r}"
+    return srv
 
 
 def wait_for(cond, timeout=10.0, what="condition"):

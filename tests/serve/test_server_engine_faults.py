@@ -1,6 +1,6 @@
 """Failure paths over gRPC with the real engine (not the fake): every bad request refused with its real field
-name, a runner failing for one request fails that request only, and a drain past its grace aborts the rest.
-The model runner is the real Qwen3 runner with step hooks (tests/engine/instrumented.py), which can fail the
+name, and a runner failing for one request fails that request only (a drain past its grace:
+test_server_engine_drain.py, a server of its own). The model runner is the real Qwen3 runner with step hooks (tests/engine/instrumented.py), which can fail the
 steps of a chosen request or hold the engine loop inside a step until the test releases it, so nothing here
 depends on how fast the machine is."""
 
@@ -15,19 +15,19 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from appliance.offline import Appliance
-from tests.engine.instrumented import HookedEngine, hooked_runner, loop_held
-from tests.serve.harness import BAD_REQUESTS, Running, assert_refused, bad_request, rpc_error, wait_for, with_server
+from tests.engine.instrumented import loop_held
+from tests.serve.harness import (
+    BAD_REQUESTS,
+    assert_refused,
+    bad_request,
+    rpc_error,
+    serve_hooked_engine,
+    wait_for,
+)
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "max_model_len=128", "max_num_seqs=8", "decode_batch=8",
              "kv_cache.num_slots_override=8", "server.port=0", "server.grace_period_s=5"]
 NEIGHBOUR_TOKENS = 24
-
-
-def start(rc) -> Running:
-    srv = Running(rc, HookedEngine(rc, hooked_runner(rc.model)))
-    wait_for(lambda: srv.server.state != "starting" or not srv.thread.is_alive(), timeout=300, what="engine start")
-    assert srv.server.state == "serving", f"server did not start: {srv.error!r}"
-    return srv
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def rc():
 
 @pytest.fixture(scope="module")
 def serving(rc):
-    srv = start(rc)
+    srv = serve_hooked_engine(rc)
     yield srv
     srv.stop(60)
     assert srv.result["status"] == "ok"
@@ -119,25 +119,3 @@ def test_a_runner_failing_for_one_request_fails_it_alone(serving, rc, streamed_b
     wait_for(lambda: all_blocks_free(engine), what="every block back")
     assert client.health() == "SERVING"
     assert client.complete(prompts[0], max_tokens=NEIGHBOUR_TOKENS, ignore_eos=True)[0] == expected[0]
-
-
-def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks(rc):
-    srv = start(with_server(rc, grace_period_s=0.2))
-    engine, runner, client = srv.engine, srv.engine.test_runner, srv.client()
-    try:
-        streams = [client.generate(f"long story {i}", max_tokens=100, ignore_eos=True) for i in range(2)]
-        firsts = [next(s) for s in streams]
-        with loop_held(runner):           # nothing can finish within the grace
-            assert engine.kv_free_blocks() != engine.kv_total_blocks()
-            srv.server.request_shutdown()
-            assert engine.aborted.wait(30), "the drain never aborted the requests left after its grace"
-            assert sorted(engine.abort_calls) == sorted(f.request_id for f in firsts)
-        lasts = [list(s)[-1] for s in streams]
-        assert [last.finish_reason for last in lasts] == [FinishReason.ABORTED] * 2
-        assert all(last.usage.completion_tokens < 100 for last in lasts)
-        assert all_blocks_free(engine)
-        srv.thread.join(60)
-        assert srv.result["status"] == "ok"
-    finally:
-        if srv.thread.is_alive():
-            srv.stop(60)
