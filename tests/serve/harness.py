@@ -1,56 +1,14 @@
-"""What the server tests share: a server on its own event-loop thread, waiting for states, RPC errors, and
-the bad requests every engine must refuse with INVALID_ARGUMENT naming the field."""
+"""For the server tests with the real engine: a server around it on a hooked runner, and the bad requests it
+must refuse with INVALID_ARGUMENT naming the field (the harness itself is test_server.py's)."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import threading
-import time
-
 import grpc
-import pytest
 
-from appliance.client import ApplianceClient
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
-from appliance.serve.server import ApplianceServer
 from tests.engine.instrumented import HookedEngine, hooked_runner
-
-
-def with_server(rc, **changes):
-    return dataclasses.replace(rc, server=dataclasses.replace(rc.server, **changes))
-
-
-class Running:
-    """An ApplianceServer on its own event loop thread."""
-
-    def __init__(self, rc, engine):
-        self.engine = engine
-        self.server = ApplianceServer(rc, engine)
-        self.result = None
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while self.server.port is None:
-            assert time.monotonic() < deadline and self.thread.is_alive(), f"server did not bind: {self.error}"
-            time.sleep(0.01)
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def _run(self):
-        try:
-            self.result = asyncio.run(self.server.run())
-        except BaseException as exc:    # noqa: BLE001 - reported by the test
-            self.error = exc
-
-    def client(self, **kw) -> ApplianceClient:
-        return ApplianceClient(self.address, **kw)
-
-    def stop(self, timeout: float = 20):
-        self.server.request_shutdown()
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "server did not stop"
+from tests.serve.test_server import Running, rpc_error, wait_for
 
 
 def serve_hooked_engine(rc) -> Running:
@@ -59,19 +17,6 @@ def serve_hooked_engine(rc) -> Running:
     wait_for(lambda: srv.server.state != "starting" or not srv.thread.is_alive(), timeout=300, what="engine start")
     assert srv.server.state == "serving", f"server did not start: {srv.error!r}"
     return srv
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-def rpc_error(fn) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        fn()
-    return info.value
 
 
 # name: (prompt, sampling, the field the refusal names). OUT_OF_VOCAB and TOO_LONG stand for values that

@@ -7,6 +7,7 @@ path of the server runs in-process in a few seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -33,15 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 from tests.serve.fake_engine import FakeEngine, fake_token  # noqa: E402
-from tests.serve.harness import (  # noqa: E402
-    BAD_REQUESTS,
-    Running,
-    assert_refused,
-    bad_request,
-    rpc_error,
-    wait_for,
-    with_server,
-)
 
 
 def expected_tokens(prompt: str, n: int) -> list[int]:
@@ -54,6 +46,41 @@ def expected_tokens(prompt: str, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def base_rc():
     return load_runtime_config(["server.port=0", "server.grace_period_s=5"])
+
+
+def with_server(rc, **changes):
+    return dataclasses.replace(rc, server=dataclasses.replace(rc.server, **changes))
+
+
+class Running:
+    """An ApplianceServer on its own event loop thread."""
+
+    def __init__(self, rc, engine):
+        self.engine = engine
+        self.server = ApplianceServer(rc, engine)
+        self.result = None
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while self.server.port is None:
+            assert time.monotonic() < deadline and self.thread.is_alive(), f"server did not bind: {self.error}"
+            time.sleep(0.01)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def _run(self):
+        try:
+            self.result = asyncio.run(self.server.run())
+        except BaseException as exc:    # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def client(self, **kw) -> ApplianceClient:
+        return ApplianceClient(self.address, **kw)
+
+    def stop(self, timeout: float = 20):
+        self.server.request_shutdown()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "server did not stop"
 
 
 @pytest.fixture
@@ -69,6 +96,19 @@ def running(base_rc):
     for srv in servers:
         if srv.thread.is_alive():
             srv.stop()
+
+
+def wait_for(cond, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
 
 
 # -- tests -----------------------------------------------------------------------------------------------
@@ -201,12 +241,28 @@ def test_generate_streams_deltas_then_finish_and_usage(running):
     assert by_ids[0].request_id and by_ids[0].request_id != "r1"      # server-assigned id
 
 
-@pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_bad_requests_are_invalid_argument_naming_the_field(running, case):
+@pytest.mark.parametrize("prompt, sampling, field", [
+    ("", {}, "prompt"),
+    (None, {}, "prompt"),
+    ([1, 2, 300], {}, "prompt_token_ids"),
+    ("hi", {"max_tokens": 0}, "sampling.max_tokens"),
+    ("hi", {"max_tokens": -3}, "sampling.max_tokens"),
+    ("hi", {"max_tokens": 100_000}, "sampling.max_tokens"),
+    ("hi", {"temperature": -0.5}, "sampling.temperature"),
+    ("hi", {"top_p": 0.0}, "sampling.top_p"),
+    ("hi", {"top_p": 1.5}, "sampling.top_p"),
+    ("hi", {"top_k": -1}, "sampling.top_k"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(running, prompt, sampling, field):
     srv = running()
-    wait_for(lambda: srv.server.state == "serving", what="SERVING")   # before it, every call is UNAVAILABLE
-    req, field = bad_request(case, FakeEngine.VOCAB, srv.server.rc.max_model_len)
-    assert_refused(srv.client().stub, req, field)
+    stub = srv.client().stub
+    req = generate_request(prompt if prompt is not None else "x", **sampling)
+    if prompt is None:
+        req.ClearField("text")
+    err = rpc_error(lambda: list(stub.Generate(req, timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.details()
+    assert ("invalid-field", field) in tuple(err.trailing_metadata())
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
 
 

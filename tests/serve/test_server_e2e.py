@@ -1,7 +1,6 @@
 """End to end with the real engine: the server in-process (to read the engine's block counts) and as
 `python -m appliance` (what users run): Startup equals the allocation, many concurrent streams give the
-offline greedy outputs, cancel frees blocks, status codes, startup_report.json, SIGTERM exits 0. Bad requests,
-failing steps and drains with the real engine: test_server_engine_faults.py."""
+offline greedy outputs, cancel frees blocks, status codes, startup_report.json, SIGTERM exits 0."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -26,7 +26,6 @@ from appliance.offline import Appliance  # noqa: E402
 from appliance.serve.api import appliance_pb2 as pb  # noqa: E402
 from appliance.serve.convert import generate_request  # noqa: E402
 from appliance.serve.server import ApplianceServer  # noqa: E402
-from tests.serve.harness import wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["device=cpu", "max_model_len=128", "max_num_seqs=8", "kv_cache.num_slots_override=16",
@@ -37,6 +36,13 @@ MAX_TOKENS = 12
 def token_prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 # -- in-process: the server around a real Engine -------------------------------------------------------
@@ -108,6 +114,18 @@ def test_cancel_frees_blocks_in_the_engine(live):
     stream.close()
     wait_for(lambda: engine.num_in_flight() == 0, what="abort")
     wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
+
+
+def test_invalid_requests_with_the_real_engine(live):
+    rc, _, _, client = live
+    cases = [(dict(prompt=""), "prompt"),
+             (dict(prompt=[rc.model.layout.vocab_size]), "prompt_token_ids"),
+             (dict(prompt="hi", max_tokens=rc.max_model_len), "sampling.max_tokens"),
+             (dict(prompt="hi", temperature=-1.0), "sampling.temperature")]
+    for kw, field in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            client.complete(kw.pop("prompt"), **kw)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
 
 
 # -- the CLI process -------------------------------------------------------------------------------------
