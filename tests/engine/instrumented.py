@@ -119,19 +119,18 @@ class ScriptedRunner(ShapeOnlyRunner):
 
 
 class HookedEngine(Engine):
-    """The real Engine started on a given runner; records who called abort() (the server's drain does)."""
+    """The real Engine started on a given runner; `drained` is set once drain() has returned (by then it has
+    aborted whatever was left after its grace)."""
 
     def __init__(self, rc: RuntimeConfig, runner: ModelRunner):
         super().__init__(rc)
         self.test_runner = runner
-        self.abort_calls: list[str] = []
-        self.aborted = threading.Event()
+        self.drained = threading.Event()
 
     def start(self) -> StartupReport:
         with runner_for_engine(self.test_runner):
             return super().start()
 
-    def abort(self, request_id: str) -> None:
-        self.abort_calls.append(request_id)
-        self.aborted.set()
-        super().abort(request_id)
+    def drain(self, grace_s: float) -> None:
+        super().drain(grace_s)
+        self.drained.set()

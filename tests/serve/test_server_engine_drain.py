@@ -16,12 +16,13 @@ def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks():
     engine, runner, client = srv.engine, srv.engine.test_runner, srv.client()
     try:
         streams = [client.generate(f"long story {i}", max_tokens=100, ignore_eos=True) for i in range(2)]
-        firsts = [next(s) for s in streams]
+        for stream in streams:
+            next(stream)
         with loop_held(runner):           # nothing can finish within the grace
             assert engine.kv_free_blocks() != engine.kv_total_blocks()
             srv.server.request_shutdown()
-            assert engine.aborted.wait(30), "the drain never aborted the requests left after its grace"
-            assert sorted(engine.abort_calls) == sorted(f.request_id for f in firsts)
+            # drain() returns once it has aborted what was left (it waits a few seconds for the held loop).
+            assert engine.drained.wait(60), "the drain did not return"
         lasts = [list(s)[-1] for s in streams]
         assert [last.finish_reason for last in lasts] == [FinishReason.ABORTED] * 2
         assert all(last.usage.completion_tokens < 100 for last in lasts)
