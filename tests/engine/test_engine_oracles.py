@@ -1,8 +1,8 @@
 """Engine-level oracles: greedy tokens through appliance.offline.Appliance, with prefix-cache hits, chunked
 prefill and preemption all asserted to happen, against an implementation that shares no code with the
-engine: transformers' Qwen3ForCausalLM `generate` for Qwen3, and for DeepSeek V4 the plain, unpaged
-reference in tests/npu/dsv4_reference.py (`dsv4_oracle_greedy` is the one place to switch to transformers'
-DeepseekV4ForCausalLM once it can load these checkpoints). Both load the tiny checkpoint the test writes.
+engine: transformers' Qwen3ForCausalLM `generate` for Qwen3; for DeepSeek V4 transformers'
+DeepseekV4ForCausalLM on a checkpoint of the released architecture, else the plain, unpaged reference in
+tests/npu/dsv4_reference.py (`dsv4_oracle_greedy` decides). Both load the tiny checkpoint the test writes.
 
 A divergence is accepted only where the oracle's own top two logits are within NEAR_TIE (float rounding
 between two correct implementations), and at most one prompt may diverge at all.
@@ -10,6 +10,7 @@ between two correct implementations), and at most one prompt may diverge at all.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,6 @@ from appliance.core.request import FinishReason, SamplingParams
 from appliance.offline import Appliance
 from npu.checkpoint import write_tiny_checkpoint
 from tests.engine.instrumented import hooked_runner, runner_for_engine
-from tests.npu.dsv4_reference import DeepseekV4Reference
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4
@@ -47,9 +47,10 @@ def workload(vocab: int) -> list[list[int]]:
     return [shared + tail for tail in tails] + others
 
 
-def transformers_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> list[Greedy]:
+def transformers_greedy(model_class: str, checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> list[Greedy]:
+    """transformers' `generate` (greedy) with transformers.<model_class> loaded from the checkpoint directory."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    model = getattr(transformers, model_class).from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     out = []
     for prompt in prompts:
@@ -61,9 +62,14 @@ def transformers_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: 
 
 
 def dsv4_oracle_greedy(checkpoint: Path, layout, prompts: list[list[int]], new_tokens: int) -> list[Greedy]:
-    """The DeepSeek V4 oracle's greedy tokens for the checkpoint in `checkpoint`. Today: the unpaged reference
-    on the checkpoint's tensors. When transformers' DeepseekV4ForCausalLM loads these checkpoints, load it
-    here from `checkpoint` the way transformers_greedy does; nothing else in this file changes."""
+    """The DeepSeek V4 oracle's greedy tokens: transformers' DeepseekV4ForCausalLM when the checkpoint is one
+    (its config.json says so), else the plain, unpaged reference on the checkpoint's tensors, the oracle of
+    the runner that predates the released architecture."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    if "DeepseekV4ForCausalLM" in config.get("architectures", ()):
+        return transformers_greedy("DeepseekV4ForCausalLM", checkpoint, prompts, new_tokens)
+    from tests.npu.dsv4_reference import DeepseekV4Reference  # imported here: it goes with that runner
+
     reference = DeepseekV4Reference(layout, load_file(str(Path(checkpoint) / "model.safetensors")))
     return [Greedy(*reference.greedy(prompt, new_tokens)) for prompt in prompts]
 
@@ -108,7 +114,7 @@ def test_qwen3_engine_greedy_equals_transformers_generate(tmp_path, one_torch_th
     checkpoint = write_tiny_checkpoint(tmp_path / "qwen3", model, seed=11, std=0.1)
     prompts = workload(model.layout.vocab_size)
     ours = run_appliance(["+model=qwen3_tiny", f"model.weights={checkpoint}", *PRESSURE], prompts)
-    assert_same_greedy(prompts, ours, transformers_greedy(checkpoint, prompts, NEW_TOKENS))
+    assert_same_greedy(prompts, ours, transformers_greedy("Qwen3ForCausalLM", checkpoint, prompts, NEW_TOKENS))
 
 
 def test_dsv4_engine_greedy_equals_the_oracle(tmp_path, one_torch_thread):
