@@ -22,3 +22,14 @@ def cli(tmp_path):
     def _run(*args: str, **kw) -> subprocess.CompletedProcess:
         return run_cli(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/multirun", **kw)
     return _run
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matrices: one intra-op thread is far faster than two contending ones on a shared CPU."""
+    import torch  # here, so that collecting torch-free tests does not load it
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

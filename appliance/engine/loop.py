@@ -238,29 +238,34 @@ class Engine:
             self._finish(seq, FinishReason.ABORTED)
 
     def _run_step(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
-        """Run one step; a failing step is retried one sequence at a time so a bad request fails alone."""
+        """Run one step; a failing step is retried one sequence at a time so a bad request fails alone.
+
+        The step's new pages go to every retry until one runs: a runner zeroes new state pages before use, and
+        pages announced only to a step that failed would otherwise keep another request's stale rows."""
+        new_pages = self.kv_cache_manager.take_new_pages()
         try:
-            return self._execute(scheduled)
+            return self._execute(scheduled, new_pages)
         except Exception:
             log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
         finished: list[Sequence] = []
         for item in scheduled:
             try:
-                finished += self._execute([item])
+                finished += self._execute([item], new_pages)
+                new_pages = {}
             except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
                 item.seq.error = f"{type(exc).__name__}: {exc}"
                 self._finish(item.seq, FinishReason.ABORTED)
                 finished.append(item.seq)
         return finished
 
-    def _execute(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+    def _execute(self, scheduled: list[ScheduledSeq], new_pages: dict[str, list[int]]) -> list[Sequence]:
         kv = self.kv_cache_manager
         batch = StepBatch(
             seqs=[SeqStep(request_id=s.seq.request_id,
                           token_ids=s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
                           start_pos=s.seq.num_computed_tokens, block_tables=kv.block_tables(s.seq.request_id),
                           sample=s.samples) for s in scheduled],
-            new_pages=kv.take_new_pages())
+            new_pages=new_pages)
         logits = self._runner.execute(batch)
         samplers = [s for s in scheduled if s.samples]
         tokens = self._sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []

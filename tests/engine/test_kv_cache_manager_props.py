@@ -3,11 +3,17 @@ against the KvCacheManager, with a single-group Qwen3-like spec set and the dsv4
 
 Besides pool accounting, a shadow records what a runner would have written into every page, so the tests
 check that a prefix hit hands out pages holding exactly the hit tokens, that no step writes into a page
-another request holds, and that pages a step reads were not overwritten."""
+another request holds, and that pages a step reads were not overwritten.
+
+Which pages a step reads comes from first principles (`needed_tokens`), from the layout alone and never
+from the spec's own ring settings or CacheGroupSpec.live_logical_pages: a window of W tokens at position t
+reads tokens t-W+1 .. t, a compressor of ratio r reads the tokens of its unfinished run, and a full-history
+group reads every token so far."""
 
 import math
 import random
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -21,15 +27,40 @@ SPEC_SETS = {   # name: (specs, block size, most tokens a step may compute)
     "dsv4": (_DSV4.model.cache_groups, _DSV4.block_size, _DSV4.model.layout.tokens_in_flight),
 }
 MAX_LEN = 512
+LAYOUTS = {"qwen3": _QWEN3.model.layout, "dsv4": _DSV4.model.layout}
 _rng = random.Random(0)
 BASES = [[_rng.randrange(512) for _ in range(120)] for _ in range(3)]   # shared prefixes make hits likely
+
+
+def needed_tokens(spec, layout, t: int) -> range:
+    """Tokens before position t whose rows in `spec`'s group a step computing tokens t, t+1, ... reads.
+
+    Decided from the layout: a ring group that serves a window layer (ratio 0) keeps the sliding window,
+    t-W+1 .. t-1 (token t itself is written by the step); a ring group whose layers all compress at ratio r
+    keeps the run t is part of, r * (t // r) .. t-1 (a finished run is already compressed); any other group
+    keeps everything."""
+    if not spec.is_ring:
+        return range(0, t)
+    ratios = {layout.compress_ratios[layer] for layer in spec.layer_ids}
+    if 0 in ratios:
+        return range(max(0, t - layout.sliding_window + 1), t)
+    (ratio,) = ratios
+    return range(t // ratio * ratio, t)
+
+
+def needed_pages(spec, layout, t: int) -> range:
+    """Logical pages holding needed_tokens(spec, layout, t)."""
+    tokens = needed_tokens(spec, layout, t)
+    if not tokens:
+        return range(0)
+    return range(tokens.start // spec.tokens_per_page, (tokens.stop - 1) // spec.tokens_per_page + 1)
 
 
 class Shadow:
     """The manager under test plus what a runner would have written to each (partition, group, page)."""
 
-    def __init__(self, specs, block_size, step_cap, pool, partitions):
-        self.specs, self.bs, self.cap, self.partitions = specs, block_size, step_cap, partitions
+    def __init__(self, specs, block_size, step_cap, pool, partitions, layout):
+        self.specs, self.bs, self.cap, self.partitions, self.layout = specs, block_size, step_cap, partitions, layout
         self.m = KvCacheManager(specs, block_size, num_partitions=partitions)
         self.m.initialize(pool)
         self.tokens: dict[str, list[int]] = {}
@@ -43,15 +74,12 @@ class Shadow:
     def expect(self, rid, logical, spec, upto):
         return logical, tuple(self.tokens[rid][:min((logical + 1) * spec.tokens_per_page, upto)])
 
-    def check_history(self, rid, upto, n):
-        """Every page a step over [upto, upto + n) reads from earlier steps holds exactly those tokens."""
+    def check_history(self, rid, upto):
+        """Every page a step from position `upto` reads from earlier steps is held and holds exactly those
+        tokens (called after allocate, so a ring slot reused by the step must not be a needed one)."""
         part = self.m.partition_of(rid)
         for s in self.specs:
-            end = math.ceil((upto + n) / s.tokens_per_page)
-            pages = s.live_logical_pages(upto)
-            for logical in pages:
-                if s.is_ring and logical < end - s.max_blocks_per_seq:
-                    continue                          # its slot is legitimately reused by this step
+            for logical in needed_pages(s, self.layout, upto):
                 page = self.page_of(rid, s, logical)
                 assert page >= 0, (s.name, logical)
                 assert self.content.get((part, s.name, page)) == self.expect(rid, logical, s, upto), (s.name, logical)
@@ -96,9 +124,10 @@ class Shadow:
         for name, pages in new.items():
             for page in pages:
                 self.content[(part, name, page)] = None   # the runner zeroes new pages
-        self.check_history(rid, c, n)
+        self.check_history(rid, c)
         self.write(rid, c, n)
         self.m.commit(rid, c + n)
+        self.check_history(rid, c + n)           # commit released nothing still needed
         self.done[rid] = c + n
         return True
 
@@ -127,7 +156,7 @@ def run_stream(data, spec_set):
         pool = data.draw(st.integers(1, 3), label="slots") * specs[0].max_blocks_per_seq
     else:
         pool = data.draw(st.integers(4, 40), label="blocks")
-    sim = Shadow(specs, bs, cap, pool, data.draw(st.integers(1, 2), label="partitions"))
+    sim = Shadow(specs, bs, cap, pool, data.draw(st.integers(1, 2), label="partitions"), LAYOUTS[spec_set])
     m = sim.m
     for i in range(data.draw(st.integers(5, 40), label="ops")):
         op = data.draw(st.sampled_from(["new", "new", "step", "step", "step", "free"]) if sim.tokens
@@ -140,7 +169,7 @@ def run_stream(data, spec_set):
             h = m.match_prefix(rid, prompt)
             assert h % bs == 0 and 0 <= h <= len(prompt) - 1 and m.num_cached_tokens(rid) == h
             sim.tokens[rid], sim.done[rid] = list(prompt), h
-            sim.check_history(rid, h, 0)              # the hit pages hold exactly these tokens
+            sim.check_history(rid, h)                 # the hit pages hold exactly these tokens
             event("prefix hit" if h else "prefix miss")
             if h and m.match_prefix("probe", prompt) and m.partition_of("probe") == m.partition_of(rid):
                 assert m.num_cached_tokens("probe") == h and m.block_tables("probe") == m.block_tables(rid)
@@ -186,3 +215,34 @@ def test_qwen3_request_streams(data):
 @given(st.data())
 def test_dsv4_tiny_request_streams(data):
     run_stream(data, "dsv4")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 32])
+def test_ring_groups_hold_what_the_next_step_reads_and_nothing_older(chunk):
+    """One request through 300 positions: after every commit each ring group holds every page the next step
+    reads; a window group holds exactly those, a compressor state at most one finished run more."""
+    specs, bs, cap = SPEC_SETS["dsv4"]
+    layout = LAYOUTS["dsv4"]
+    sim = Shadow(specs, bs, cap, specs[0].max_blocks_per_seq, 1, layout)
+    tokens = [random.Random(chunk).randrange(512) for _ in range(300)]
+    assert sim.m.match_prefix("a", tokens) == 0
+    sim.tokens["a"], sim.done["a"] = tokens, 0
+    checked = 0
+    while sim.done["a"] < len(tokens):
+        assert sim.step("a", min(chunk, len(tokens) - sim.done["a"]))
+        t = sim.done["a"]
+        for s in specs:
+            if not s.is_ring:
+                continue
+            held = {sim.content[(0, s.name, p)][0] for p in sim.m.block_tables("a")[s.name] if p >= 0}
+            needed = set(needed_pages(s, layout, t))
+            assert needed <= held, (s.name, t)
+            ratios = {layout.compress_ratios[layer] for layer in s.layer_ids}
+            if 0 in ratios:
+                assert held == needed, f"{s.name} at {t}: holds pages {sorted(held - needed)} outside the window"
+            else:
+                (ratio,) = ratios
+                oldest = max(0, t // ratio * ratio - ratio) // s.tokens_per_page
+                assert min(held, default=oldest) >= oldest, f"{s.name} at {t}: holds pages behind the last run"
+            checked += 1
+    assert checked == 4 * math.ceil(300 / chunk)
