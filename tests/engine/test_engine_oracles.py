@@ -1,8 +1,7 @@
 """Engine-level oracles: greedy tokens through appliance.offline.Appliance, with prefix-cache hits, chunked
 prefill and preemption all asserted to happen, against an implementation that shares no code with the
-engine: transformers' Qwen3ForCausalLM `generate` for Qwen3; for DeepSeek V4 transformers'
-DeepseekV4ForCausalLM on a checkpoint of the released architecture, else the plain, unpaged reference in
-tests/npu/dsv4_reference.py (`dsv4_oracle_greedy` decides). Both load the tiny checkpoint the test writes.
+engine: transformers' `generate` with Qwen3ForCausalLM and DeepseekV4ForCausalLM, loading the tiny
+checkpoint the test writes.
 
 A divergence is accepted only where the oracle's own top two logits are within NEAR_TIE (float rounding
 between two correct implementations), and at most one prompt may diverge at all.
@@ -10,14 +9,12 @@ between two correct implementations), and at most one prompt may diverge at all.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
@@ -59,19 +56,6 @@ def transformers_greedy(model_class: str, checkpoint: Path, prompts: list[list[i
                                  output_logits=True, return_dict_in_generate=True)
         out.append(Greedy(gen.sequences[0, len(prompt):].tolist(), [s[0].float() for s in gen.logits]))
     return out
-
-
-def dsv4_oracle_greedy(checkpoint: Path, layout, prompts: list[list[int]], new_tokens: int) -> list[Greedy]:
-    """The DeepSeek V4 oracle's greedy tokens: transformers' DeepseekV4ForCausalLM when the checkpoint is one
-    (its config.json says so), else the plain, unpaged reference on the checkpoint's tensors, the oracle of
-    the runner that predates the released architecture."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    if "DeepseekV4ForCausalLM" in config.get("architectures", ()):
-        return transformers_greedy("DeepseekV4ForCausalLM", checkpoint, prompts, new_tokens)
-    from tests.npu.dsv4_reference import DeepseekV4Reference  # imported here: it goes with that runner
-
-    reference = DeepseekV4Reference(layout, load_file(str(Path(checkpoint) / "model.safetensors")))
-    return [Greedy(*reference.greedy(prompt, new_tokens)) for prompt in prompts]
 
 
 def assert_same_greedy(prompts: list[list[int]], ours: list[list[int]], expected: list[Greedy]) -> None:
@@ -122,4 +106,4 @@ def test_dsv4_engine_greedy_equals_the_oracle(tmp_path, one_torch_thread):
     checkpoint = write_tiny_checkpoint(tmp_path / "dsv4", model, seed=12, std=0.1)
     prompts = workload(model.layout.vocab_size)
     ours = run_appliance(["+model=dsv4_tiny", f"model.weights={checkpoint}", *PRESSURE], prompts)
-    assert_same_greedy(prompts, ours, dsv4_oracle_greedy(checkpoint, model.layout, prompts, NEW_TOKENS))
+    assert_same_greedy(prompts, ours, transformers_greedy("DeepseekV4ForCausalLM", checkpoint, prompts, NEW_TOKENS))

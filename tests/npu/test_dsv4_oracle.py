@@ -35,13 +35,7 @@ STD = 0.1      # larger than the serving default, so attention, routing and the 
 LOGIT_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is far faster than two contending ones on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @lru_cache(maxsize=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from appliance.core.request import MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
 from tests.engine.instrumented import HookedEngine, hooked_runner
@@ -35,6 +36,19 @@ BAD_REQUESTS = {
     "top_p negative": ("hi", {"top_p": -0.25}, "sampling.top_p"),
     "top_p above 1": ("hi", {"top_p": 1.5}, "sampling.top_p"),
     "negative top_k": ("hi", {"top_k": -1}, "sampling.top_k"),
+    "NaN temperature": ("hi", {"temperature": float("nan")}, "sampling.temperature"),
+    "infinite temperature": ("hi", {"temperature": float("inf")}, "sampling.temperature"),
+    "NaN top_p": ("hi", {"top_p": float("nan")}, "sampling.top_p"),
+    "empty stop string": ("hi", {"stop": [""]}, "sampling.stop[0]"),
+    "second stop string empty": ("hi", {"stop": ["a", ""]}, "sampling.stop[1]"),
+    "too many stop strings": ("hi", {"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop"),
+    "stop string too long": ("hi", {"stop": ["s" * (MAX_STOP_STRING_CHARS + 1)]}, "sampling.stop[0]"),
+    "too many stop token ids": ("hi", {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
+                                "sampling.stop_token_ids"),
+    "stop token id outside the vocabulary": ("hi", {"stop_token_ids": OUT_OF_VOCAB}, "sampling.stop_token_ids"),
+    "request_id with a newline": ("hi", {"request_id": "line\nbreak"}, "request_id"),
+    "request_id not ASCII": ("hi", {"request_id": "caf\u00e9"}, "request_id"),
+    "request_id too long": ("hi", {"request_id": "r" * (MAX_REQUEST_ID_CHARS + 1)}, "request_id"),
 }
 
 
@@ -43,7 +57,8 @@ def bad_request(name: str, vocab_size: int, max_model_len: int) -> tuple[pb.Gene
     prompt, sampling, field = BAD_REQUESTS[name]
     if prompt == OUT_OF_VOCAB:
         prompt = [1, 2, vocab_size]
-    sampling = {k: max_model_len if v == TOO_LONG else v for k, v in sampling.items()}
+    sampling = {k: max_model_len if v == TOO_LONG else [vocab_size] if v == OUT_OF_VOCAB else v
+                for k, v in sampling.items()}
     req = generate_request(prompt if prompt is not None else "x", **sampling)
     if prompt is None:
         req.ClearField("text")
