@@ -10,6 +10,10 @@ Which step is heaviest depends on the runner's math, so every extreme is listed,
   between steps, such as a gather workspace, are at their largest while the others run);
 - one sequence with the whole chunk cap at full context (the widest attention: chunk x max_model_len);
 - the budget as chunks from position 0, as many as fit (one attention call over equal chunks);
+- the budget as equal chunks at full context, in the fewest chunks and in the most (runners that attend to
+  chunks of equal length together, wherever they start, peak at one of these two: with the budget fixed,
+  the scores grow with the chunk length and the keys read with the number of sequences, so their sum
+  is largest at an end of the range);
 - decode_batch decodes plus the rest of the budget as chunks at full context (runners that pad every row
   of a step to its longest chunk peak here).
 Contexts end at max_model_len, one token beyond what a request can reach (its last token is sampled, never
@@ -87,6 +91,11 @@ def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
     return lengths
 
 
+def _equal_chunks(tokens: int, chunk: int, num: int) -> list[int]:
+    """`num` equal chunks holding as many of `tokens` as fit, at most `chunk` tokens each."""
+    return [min(chunk, tokens // num)] * num
+
+
 def _at_end(num_tokens: int, limits: StepLimits) -> SeqShape:
     """A chunk of num_tokens from the latest aligned start where it still fits in max_context."""
     align = limits.chunk_align
@@ -109,6 +118,12 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
         wave = _chunks(limits.max_tokens, chunk, limits.max_seqs)
         if len(wave) > 1:
             steps.append(StepShape("prefill_wave", tuple(SeqShape(n, 0) for n in wave)))
+        fewest = min(limits.max_seqs, -(-limits.max_tokens // chunk))
+        most = min(limits.max_seqs, limits.max_tokens // 2)
+        for name, num in (("long_chunks_at_full_context", fewest), ("short_chunks_at_full_context", most)):
+            if num > 1 and (name.startswith("long") or most > fewest):
+                chunks = _equal_chunks(limits.max_tokens, chunk, num)
+                steps.append(StepShape(name, tuple(_at_end(n, limits) for n in chunks)))
         mixed = _chunks(limits.max_tokens - rows, chunk, limits.max_seqs - rows)
         if decode and mixed:
             steps.append(StepShape("decodes_and_chunks", decode + tuple(_at_end(n, limits) for n in mixed)))

@@ -44,6 +44,15 @@ def test_worst_steps_are_legal_and_reach_every_extreme(limits):
             n = min(limits.max_chunk, ctx - start)
             if n >= 2:
                 assert any(n <= s.num_tokens and start + n <= s.end for s in ends), (start, n, ends)
+        # the budget as equal chunks ending at the context, in the fewest chunks and in the most
+        ends_at_context = [steps[n].seqs for n in ("long_chunks_at_full_context", "short_chunks_at_full_context")
+                           if n in steps]
+        for wave in ends_at_context:
+            assert len({s.num_tokens for s in wave}) == 1 and all(s.end > ctx - align for s in wave)
+            assert sum(s.num_tokens for s in wave) > min(limits.max_tokens, len(wave) * limits.max_chunk) - len(wave)
+        counts = sorted(len(wave) for wave in ends_at_context)
+        assert counts == sorted({n for n in (min(limits.max_seqs, -(-limits.max_tokens // limits.max_chunk)),
+                                             min(limits.max_seqs, limits.max_tokens // 2)) if n > 1})
         rest = limits.max_tokens - limits.max_decode_rows
         if rest >= 2 and limits.max_seqs > limits.max_decode_rows:
             mixed = steps["decodes_and_chunks"].seqs
