@@ -17,6 +17,17 @@
   heads in o_groups groups, each projected by its block of wo_a, then wo_b.
 Window-only layers use RoPE with rope_theta, compressed layers (their compressors and indexer too) with
 compress_rope_theta and YaRN.
+
+Why an explicit softmax and not scaled_dot_product_attention: SDPA's formula has no sink logit (and its public
+API returns no log-sum-exp to fold one in afterwards); CSA's keys differ per query (the indexer's picks), which
+SDPA could take only as keys copied per query; and head_dim 512 is past the flash kernels' 256 (transformers'
+DeepseekV4 runs eager-only for these reasons). So scores are computed here, on the paths an accelerator keeps
+cheap: every mask is bool, applied in place (masked_fill_, never an added -inf tensor); queries are attended
+in groups of equal length (paging.QueryGroup), so none is padded to a longer chunk; window and HCA rows are
+read once per sequence and shared by its queries; pools are read one contiguous layer at a time (PoolIO).
+The fused path on an NPU would be a sparse flash-attention kernel taking per-query row indices and a sink
+(what DeepSeek V3.2's sparse attention runs on Ascend); this runner calls none: no such kernel could be
+checked here.
 """
 
 from __future__ import annotations
