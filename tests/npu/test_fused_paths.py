@@ -87,12 +87,16 @@ class MaskOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def runner():
-    rc = load_runtime_config(["+model=qwen3_tiny"])
-    r = Qwen3Runner(rc.model, "cpu")
+def loaded(runner_class, model: str):
+    """A runner of `model` on the CPU with its seeded random weights."""
+    r = runner_class(load_runtime_config([f"+model={model}"]).model, "cpu")
     r.load_weights()
     return r
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return loaded(Qwen3Runner, "qwen3_tiny")
 
 
 def cached_history(runner, rng):
@@ -209,10 +213,7 @@ def test_pages_hold_k_then_v_planes(runner):
 
 @pytest.fixture(scope="module")
 def dsv4():
-    rc = load_runtime_config(["+model=dsv4_tiny"])
-    r = DeepseekV4Runner(rc.model, "cpu")
-    r.load_weights()
-    return r
+    return loaded(DeepseekV4Runner, "dsv4_tiny")
 
 
 def dsv4_mixed_step(runner, rng) -> StepBatch:
