@@ -101,7 +101,8 @@ class DeepseekV4Runner(ModelRunner):
         self.params = held
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [t for w in self.params.values() for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
+        return [t for w in self.params.values()
+                for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
 
     def weight(self, name: str) -> torch.Tensor:
         """A weight for the math: quantized matrices dequantized to the compute dtype now, others as held."""
