@@ -9,7 +9,9 @@ chunk at layout.tokens_in_flight). Decode: B sequences, one token each at positi
 Mixed decode: B decode rows whose contexts alternate between --context and 3/4 of it (one padded batch
 with a mask). Cached chunk: B chunks of --prompt-len tokens after --context cached tokens (a later chunk
 or a prefix-cache hit: attention over pages with an offset-causal mask). The last two are the steps whose
-attention takes a mask. Each sequence has its own pages. Prints a markdown table, the command and the
+attention takes a mask. Decodes + chunk: B decode rows at --context next to one prompt chunk of --prompt-len
+tokens from position 0, the step continuous batching issues while a new request is admitted (a runner that
+pads every row to the longest chunk pays B x the chunk here). Each sequence has its own pages. Prints a markdown table, the command and the
 machine. --stat min reports the fastest step instead of the median (steadier on a shared machine).
 --profile-ops N then runs one decode and one prefill step at the largest batch under torch.profiler and
 prints the N ops with the most self CPU time, and how much of the step no torch op accounts for (Python).
@@ -114,7 +116,7 @@ def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int
     rows = []
     for b in batch_sizes:
         end = max(context + 1, chunk)
-        runner.allocate_pools(pages_needed(runner, 4 * b, context + chunk), 1)
+        runner.allocate_pools(pages_needed(runner, 4 * b + 1, context + chunk), 1)
         pages = Pages(runner)
         prefill = StepBatch([SeqStep(f"p{i}", [(7 * i + j) % 500 + 3 for j in range(chunk)], 0, pages.tables(chunk))
                              for i in range(b)])
@@ -125,11 +127,14 @@ def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int
                            for i, c in enumerate(mixed_ctx)])
         cached = StepBatch([SeqStep(f"c{i}", [(11 * i + j) % 500 + 3 for j in range(chunk)], context,
                                     pages.tables(context + chunk)) for i in range(b)])
+        admit = StepBatch(decode.seqs + [SeqStep("new", [(13 * j) % 500 + 3 for j in range(chunk)], 0,
+                                                 pages.tables(chunk))])
         t_pre, t_dec = time_step(runner, prefill, iters, stat), time_step(runner, decode, iters, stat)
+        t_admit = time_step(runner, admit, iters, stat)
         t_mix, t_cached = time_step(runner, mixed, iters, stat), time_step(runner, cached, iters, stat)
         rows.append(dict(model=name, batch=b, chunk=chunk, context=context, prefill_ms=t_pre * 1e3,
                          prefill_tps=b * chunk / t_pre, decode_ms=t_dec * 1e3, decode_tps=b / t_dec,
-                         mixed_ms=t_mix * 1e3, cached_ms=t_cached * 1e3))
+                         mixed_ms=t_mix * 1e3, cached_ms=t_cached * 1e3, admit_ms=t_admit * 1e3))
         if profile_top and b == batch_sizes[-1]:
             for what, step in (("decode", decode), ("prefill", prefill)):
                 rows[-1][f"{what}_ops"] = profile_ops(runner, step, profile_top)
@@ -158,12 +163,12 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"{args.stat} of {args.iters} steps after 2 warm-up steps\n")
     print("| model | batch | prefill tokens/seq | prefill step ms | prefill tok/s | decode context | decode step ms "
-          "| decode tok/s | mixed-context decode ms | cached chunk ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode tok/s | mixed-context decode ms | cached chunk ms | decodes + chunk ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['batch']} | {r['chunk']} | {r['prefill_ms']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['context']} | {r['decode_ms']:.2f} | {r['decode_tps']:,.0f} | {r['mixed_ms']:.2f} | "
-              f"{r['cached_ms']:.2f} |")
+              f"{r['cached_ms']:.2f} | {r['admit_ms']:.2f} |")
     for r in rows:
         for what in ("decode", "prefill"):
             if f"{what}_ops" in r:
