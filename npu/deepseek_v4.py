@@ -38,7 +38,7 @@ from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan
 from npu.dsv4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
-from npu.step import SeqStep, StepBatch
+from npu.step import StepBatch
 from npu.weights import is_norm_weight
 
 Held = torch.Tensor | QuantizedWeight
@@ -100,18 +100,29 @@ class DeepseekV4Runner(ModelRunner):
                 held[w.name] = t
         self.params = held
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [t for w in self.params.values()
+                for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
+
     def weight(self, name: str) -> torch.Tensor:
         """A weight for the math: quantized matrices dequantized to the compute dtype now, others as held."""
         w = self.params[name]
         return w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w
 
     # -- model -------------------------------------------------------------------------------------
-    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool) -> torch.Tensor:
+        """Routed experts plus the shared one. worst_case (a profiling step): every token routes to the same
+        num_experts_per_tok experts, the routing whose expert activations are largest (an expert computes
+        all N tokens at once; a uniform routing gives each about N k / num_experts)."""
         lay, w, p = self.model.layout, self.weight, f"layers.{layer}.ffn."
         hashed = layer < lay.num_hash_layers
+        table, ids = (w(p + "gate.tid2eid"), token_ids) if hashed else (None, None)
+        if worst_case:
+            table = torch.arange(lay.num_experts_per_tok, device=x.device)[None]
+            ids = torch.zeros_like(token_ids)
         weights, experts = route(x, w(p + "gate.weight"), lay.scoring_func, lay.num_experts_per_tok,
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
-                                 table=w(p + "gate.tid2eid") if hashed else None, token_ids=token_ids)
+                                 table=table, token_ids=ids)
         expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
         routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
         shared = swiglu(x, *(w(f"{p}shared_experts.{n}.weight") for n in ("w1", "w3", "w2")), lay.swiglu_limit)
@@ -122,13 +133,14 @@ class DeepseekV4Runner(ModelRunner):
         return hc_pre(streams, self.weight(prefix + "_fn"), self.weight(prefix + "_base"),
                       self.weight(prefix + "_scale"), lay.hc_sinkhorn_iters, lay.hc_eps, lay.rms_norm_eps)
 
-    def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation]) -> torch.Tensor:
+    def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation],
+               worst_case: bool) -> torch.Tensor:
         p, eps = f"layers.{layer}.", self.model.layout.rms_norm_eps
         post, comb, x = self._hc(p + "hc_attn", streams)
         out = self.attention(layer, rms_norm(x, self.weight(p + "attn_norm.weight"), eps), plan, rot)
         streams = hc_post(out, streams, post, comb)
         post, comb, x = self._hc(p + "hc_ffn", streams)
-        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids)
+        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids, worst_case)
         return hc_post(out, streams, post, comb)
 
     # -- steps -------------------------------------------------------------------------------------
@@ -149,23 +161,9 @@ class DeepseekV4Runner(ModelRunner):
             streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
             rot = self.attention.rotations(plan)
             for layer in range(len(self.ratios)):
-                streams = self._block(layer, streams, plan, rot)
+                streams = self._block(layer, streams, plan, rot, batch.worst_case)
             last = hc_head(streams[plan.sample_index], self.weight("hc_head_fn"), self.weight("hc_head_base"),
                            self.weight("hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
             last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
             head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
             return torch.nn.functional.linear(last, head).float()
-
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        """The largest step: chunks of up to tokens_in_flight tokens ending at the longest sequence
-        length, so every key set is at its largest; all pages are scratch pages (contents don't matter)."""
-        if not self.pools or self.num_scratch < 1:
-            raise RuntimeError("profile_batch needs pools with at least one scratch page (allocate_pools first)")
-        tif = self.model.layout.tokens_in_flight
-        max_len = max(s.max_blocks_per_seq * s.tokens_per_page for s in self.model.cache_groups if not s.is_ring)
-        seqs = []
-        for j, n in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, tif)):
-            tables = {s.name: [self.scratch_page(s.name, j % self.num_scratch)] * s.max_blocks_per_seq
-                      for s in self.model.cache_groups}
-            seqs.append(SeqStep(f"profile-{j}", [0] * n, max_len - n, tables))
-        return StepBatch(seqs)

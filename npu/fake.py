@@ -85,6 +85,9 @@ class ShapeOnlyRunner(ModelRunner):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         pass
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def allocate_pools(self, num_blocks, num_scratch: int) -> None:
         self.allocation_attempts.append(dict(num_blocks))
         if self.max_pool_bytes is not None:

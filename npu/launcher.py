@@ -134,8 +134,8 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner,
     try:
         backend.reset_peak()
         with torch.inference_mode(), backend.tracking() as tracker:
-            if tracker is not None:
-                tracker.adopt(runner.pools.values())
+            if tracker is not None:     # every weight is resident, also those no profiled step reads
+                tracker.adopt([*runner.pools.values(), *runner.weight_tensors()])
             ran = profile_worst_steps(runner, limits)
             backend.synchronize()
         stats = probe_devices(backend)

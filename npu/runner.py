@@ -87,6 +87,11 @@ class ModelRunner(ABC):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hold checked weights (on the device, in their expected dtypes) the way the math wants them."""
 
+    @abstractmethod
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the runner holds for weights. The CPU's allocation tracker counts them as resident
+        during the profile: a step reads only some of them (an MoE's unpicked experts), a device holds all."""
+
     # -- pools -------------------------------------------------------------------------------------
     def pool_dtype(self, spec: CacheGroupSpec) -> torch.dtype:
         return getattr(torch, spec.row_dtype)
@@ -134,7 +139,8 @@ class ModelRunner(ABC):
     def scratch_batch(self, step: StepShape) -> StepBatch:
         """`step` (one of appliance.core.step_limits.worst_steps) as a batch whose every page is a scratch page:
         the profile computes at full size, and no real page is read or written. Ring groups get their
-        max_blocks_per_seq slots, full-history groups one page per logical page up to the sequence's end."""
+        max_blocks_per_seq slots, full-history groups one page per logical page up to the sequence's end.
+        The batch is marked worst_case: data-dependent paths (MoE routing) take their heaviest branch."""
         if self.num_scratch < 1:
             raise RuntimeError("scratch_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
         seqs = []
@@ -144,14 +150,4 @@ class ModelRunner(ABC):
                 pages = spec.max_blocks_per_seq if spec.is_ring else -(-s.end // spec.tokens_per_page)
                 tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
             seqs.append(SeqStep(f"{step.name}-{i}", [0] * s.num_tokens, s.start_pos, tables))
-        return StepBatch(seqs)
-
-    @staticmethod
-    def profile_lengths(max_num_tokens: int, max_num_seqs: int, per_seq_cap: int) -> list[int]:
-        """Chunk lengths of deepseek_v4's own profile_batch (until that runner moves to scratch_batch over
-        worst_steps, which the launcher already uses): up to max_num_tokens tokens over min(max_num_seqs,
-        tokens) sequences, as even as possible, none longer than per_seq_cap; empty sequences are dropped."""
-        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
-        total = min(max_num_tokens, num_seqs * per_seq_cap)
-        lengths = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
-        return [n for n in lengths if n]
+        return StepBatch(seqs, worst_case=True)
