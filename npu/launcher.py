@@ -26,6 +26,7 @@ are tested on a CPU without allocating anything.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -35,9 +36,11 @@ from typing import Sequence
 
 import torch
 
+from appliance.core.archs import rank_cache_groups
 from appliance.core.config import RuntimeConfig
 from appliance.core.estimate import estimate_peak_non_kv
 from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
+from appliance.core.parallel import RankPlace
 from appliance.core.planner import (
     CapacityPlan,
     DeviceMemory,
@@ -184,18 +187,22 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             plan = plan_for_config(rc, devices, num_slots_override=slots)
 
 
-def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
-    """Fail at once, before any weight is materialized, when a device cannot hold the model at all.
+def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | None = None) -> None:
+    """Fail at once, before any weight is materialized, when a device cannot hold its rank's shard at all.
 
-    Each device needs the model's weights plus the least KV cache the planner accepts (decode_batch scratch
-    pages and one capacity slot) within total x npu_memory_utilization. The weights are estimated from
-    model.layout by the estimate mode=plan uses (appliance.core.estimate); each device holds a full copy
-    (the runner is not sharded, so one shard is the whole model). Activations are not guessed here: the
-    profiling step measures them right after loading (mode=plan's plan.activation_allowance_bytes, sized
-    for NPU-scale models, would refuse the embedded tiny model on its 1 GiB CPU budget).
+    Each device needs its rank's shard of the weights plus the least KV cache the planner accepts
+    (decode_batch scratch pages and one capacity slot, at the rank's page bytes) within total x
+    npu_memory_utilization. The shard is estimated from model.layout by the estimate mode=plan uses
+    (appliance.core.estimate: the architecture's description of what a rank loads). Activations are not
+    guessed here: the profiling step measures them right after loading (mode=plan's
+    plan.activation_allowance_bytes, sized for NPU-scale models, would refuse the embedded tiny model on its
+    1 GiB CPU budget).
     """
-    specs = rc.model.cache_groups
-    weights = estimate_peak_non_kv(rc.model, 1, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    place = place or RankPlace.single()
+    specs = rank_cache_groups(rc.model, place)
+    weights = estimate_peak_non_kv(rc.model, place, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    shard = ("a full copy on each device" if place.world == 1 else
+             f"rank {place.rank}'s shard: {place.describe()}")
     kv_floor = scratch_bytes(specs, rc.decode_batch) + bytes_per_slot(specs)
     need = weights + kv_floor
     u = rc.npu_memory_utilization
@@ -211,22 +218,34 @@ def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
                     f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
                     if rc.device.kind == "auto" and backend.kind == "cpu" else "")
         raise InsufficientMemoryError(
-            f"{rc.model.name} does not fit on device {backend.device_name(i)}{fallback}; nothing was loaded:\n"
+            f"{rc.model.name} does not fit on device {rank_device_name(backend, i, place)}{fallback}; nothing was "
+            f"loaded:\n"
             f"  total x npu_memory_utilization  {format_bytes(total)} x {u} = {format_bytes(usable)}\n"
             f"  estimated weights               {format_bytes(weights)} (from model.layout, as mode=plan "
-            f"estimates them; a full copy on each device)\n"
+            f"estimates them; {shard})\n"
             f"  least KV cache                  {format_bytes(kv_floor)} ({rc.decode_batch} scratch pages + one "
             f"slot at max_model_len {rc.max_model_len})\n"
             f"  shortfall                       {format_bytes(need - usable)}\n"
             f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / u))} each (device=npu, "
-            f"device=cuda), plan the deployment offline first with the same overrides plus mode=plan "
-            f"device=ascend_a3, or pick a smaller model (e.g. +model=dsv4_tiny)")
+            f"device=cuda), spread it over more devices (device.count and parallel.*: smaller shards), plan the "
+            f"deployment offline first with the same overrides plus mode=plan device=ascend_a3, or pick a smaller "
+            f"model (e.g. +model=dsv4_tiny)")
 
 
-def open_backend(rc: RuntimeConfig) -> Backend:
-    """The backend for rc.device (device=auto says which it chose and why), checked to hold the weights."""
-    backend = select_backend(rc.device)
-    check_weights_fit(rc, backend)
+def rank_device_name(backend: Backend, index: int, place: RankPlace) -> str:
+    """`npu:3`, or `npu:3 (rank 11)` when there are several ranks: reports and errors say which rank it is."""
+    name = backend.device_name(index)
+    return name if place.world == 1 else f"{name} (rank {place.rank})"
+
+
+def open_backend(rc: RuntimeConfig, place: RankPlace | None = None, local_index: int = 0) -> Backend:
+    """The backend for rc.device (device=auto says which it chose and why), checked to hold the weights.
+
+    With several ranks each process opens only its own device, `local_index` on this host."""
+    place = place or RankPlace.single()
+    device = rc.device if place.world == 1 else dataclasses.replace(rc.device, count=1)
+    backend = select_backend(device, local_index)
+    check_weights_fit(rc, backend, place)
     return backend
 
 
