@@ -19,6 +19,7 @@ float32; the hash layers' routing table is int32.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -187,7 +188,22 @@ def rank_weights(layout: Layout, place: RankPlace) -> list[Weight]:
 
 def rank_weight_bytes(layout: Layout, place: RankPlace) -> int:
     """Checkpoint bytes of the tensors one rank loads (rank_weights, as stored)."""
-    return sum(t.nbytes for w in rank_weights(layout, place) for t in stored_tensors(w, layout))
+    replicated, per_expert = _bytes_by_expert(layout)
+    return replicated + sum(per_expert.get(e, 0) for e in place.experts(layout.num_experts))
+
+
+@functools.cache
+def _bytes_by_expert(layout: Layout) -> tuple[int, dict[int, int]]:
+    """(bytes every rank holds, bytes of each routed expert over all layers): the full layout has some 70,000
+    tensors, and a plan asks this for every rank, so the description is walked once per layout."""
+    replicated, per_expert = 0, {}
+    for w in model_weights(layout):
+        nbytes = sum(t.nbytes for t in stored_tensors(w, layout))
+        if w.expert:
+            per_expert[w.expert_id] = per_expert.get(w.expert_id, 0) + nbytes
+        else:
+            replicated += nbytes
+    return replicated, per_expert
 
 
 @dataclass(frozen=True)
