@@ -1,6 +1,6 @@
 """One rank of a two-rank launch with a scripted memory probe (for tests/npu/test_ranks.py), as its own process:
 
-    python -m tests.npu.rank_launch RANK TOTAL_BYTES [PORT]
+    python -m tests.npu.rank_launch RANK TOTAL_BYTES [--port PORT] [--timeout SECONDS]
 
 Rank 0 hosts the rendezvous store and prints `port N` first; rank 1 is given that port. Each runs the real
 launcher with the real qwen3_tiny tensor-parallel runner on the CPU, but its device's total memory and peak come
@@ -10,6 +10,7 @@ from a FakeMemoryProbe, so one rank can have less memory than the other. Prints 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -23,22 +24,28 @@ from npu.qwen3 import Qwen3Runner
 from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.tensor_parallel_size=2",
-             "parallel.startup_timeout_s=60", "device.cpu_threads=1"]
+             "device.cpu_threads=1"]
 PEAK_BYTES = 10 << 20            # the probe's allocator peak after profiling (weights + activations + scratch)
 
 
 def main(argv: list[str]) -> int:
-    rank, total = int(argv[0]), int(argv[1])
-    rc = load_runtime_config(OVERRIDES)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rank", type=int)
+    parser.add_argument("total", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args(argv)
+    rank, timeout = args.rank, args.timeout
+    rc = load_runtime_config(OVERRIDES + [f"parallel.startup_timeout_s={timeout}"])
     if rank == 0:
-        store = host_store(2, 60)
+        store = host_store(2, timeout)
         print(f"port {store.port}", flush=True)
     else:
-        store = connect_store(Rendezvous(rank, 2, rank, "127.0.0.1", int(argv[2])), 60)
+        store = connect_store(Rendezvous(rank, 2, rank, "127.0.0.1", args.port), timeout)
     place = place_of(rc.parallel, rank)
-    backend = FakeBackend(FakeMemoryProbe(1, total, PEAK_BYTES), kind="cpu", tensor_device="cpu")
+    backend = FakeBackend(FakeMemoryProbe(1, args.total, PEAK_BYTES), kind="cpu", tensor_device="cpu")
     try:
-        group = RankGroup(place, StartupBoard(store, rank, 2), "cpu", 60)
+        group = RankGroup(place, StartupBoard(store, rank, 2), "cpu", timeout)
         runner, report = launch(rc, backend, Qwen3Runner(rc.model, "cpu", place), group)
     except StartupError as exc:
         print(f"error: {exc}", flush=True)

@@ -3,7 +3,8 @@
 Each rank loads its tensor-parallel shard, profiles its own steps and probes its own (scripted) device; the
 ranks exchange what they measured, plan from the same numbers and allocate the same blocks: those of the
 device with the least room, which the startup response names. A rank whose device cannot hold one slot fails
-the launch before anything is allocated, and every rank says which one and by how much.
+the launch before anything is allocated, and every rank says which one and by how much; a rank that never
+arrives ends the rendezvous after parallel.startup_timeout_s, named.
 """
 
 from __future__ import annotations
@@ -28,12 +29,22 @@ def launch_two(total0: int, total1: int) -> tuple[tuple[int, str], tuple[int, st
     first = subprocess.Popen(cmd + ["0", str(total0)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         port = first.stdout.readline().split()[1]
-        second = subprocess.run(cmd + ["1", str(total1), port], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        second = subprocess.run(cmd + ["1", str(total1), "--port", port], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 text=True, timeout=240)
         out0, _ = first.communicate(timeout=240)
     finally:
         first.kill()
     return (first.returncode, out0.strip().splitlines()[-1]), (second.returncode, second.stdout.strip().splitlines()[-1])
+
+
+def test_a_rank_that_never_arrives_ends_the_rendezvous_after_the_timeout_naming_it():
+    proc = subprocess.run([sys.executable, "-m", "tests.npu.rank_launch", "0", str(1024 * MiB), "--timeout", "3"],
+                          cwd=REPO, env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = proc.stdout.strip().splitlines()[-1]
+    assert "not every rank reached 'joining' within parallel.startup_timeout_s=3 s" in error
+    assert "rank 1 is at 'not started'" in error
 
 
 def test_every_rank_allocates_the_capacity_of_the_rank_with_least_memory():
