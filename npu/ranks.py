@@ -12,8 +12,8 @@ MASTER_PORT: env://) across hosts. Over it, each rank joins:
     steps              gloo, no practical timeout: the owner sends each step; an idle owner may wait for hours
 
 Startup runs as phases (`RankGroup.phase`). A rank whose phase fails writes the error to the store under its
-rank and raises RankStartupError naming itself; a rank that spawned process exits at once, so peers waiting
-in a collective with it see the connection close instead of waiting for a timeout. The other ranks then read
+rank and raises RankStartupError naming itself; its process then exits at once, so peers waiting in a
+collective with it see the connection close instead of waiting for a timeout. The other ranks then read
 the store and raise the same error naming the failed rank, so every rank ends with exit status 2 and one
 message that says which rank failed and why. A rank that never arrives is caught by the timeouts: the
 rendezvous and every startup collective wait at most parallel.startup_timeout_s, then name the ranks that
@@ -239,6 +239,7 @@ class RankGroup:
 
     def all_gather(self, phase: str, obj: Any) -> list[Any]:
         """`obj` from every rank, in rank order (a startup collective: it times out, naming who is missing)."""
+        self.board.mark(phase)
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, obj, group=self.control)

@@ -63,7 +63,6 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
 def run_rank(rc: RuntimeConfig, rdv: Rendezvous) -> int:
     """A non-owner rank from start to stop; returns its exit status (module docstring)."""
     place = place_of(rc.parallel, rdv.rank)
-    group: RankGroup | None = None
     try:
         rdv.check_world(world_size(rc.parallel))
         board = StartupBoard(connect_store(rdv, rc.parallel.startup_timeout_s), rdv.rank, rdv.world)

@@ -62,8 +62,8 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     """routed_experts with the experts spread over the ranks of `group` (expert parallel): rank i holds the
     contiguous experts split(num_experts, size, i) (appliance.core.parallel.RankPlace.experts).
 
-    Each (token, slot) pair travels to the rank holding its expert and its output comes back (two all-to-alls,
-    plus one for the counts): the hidden rows go out sorted by destination rank, each rank runs its experts on
+    Each (token, slot) pair travels to the rank holding its expert and its output comes back (all-to-alls of the
+    counts, the hidden rows, the expert ids, and the outputs back): the rows go out sorted by destination rank, each rank runs its experts on
     the rows it received (from every rank, its own included), and the outputs return in the same order. The
     origin then weights and sums them exactly as routed_experts does, so the result does not depend on where
     an expert lives. Every rank of the group calls this once per MoE layer, in lockstep, even with no tokens:
