@@ -57,11 +57,13 @@ def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_b
     one = greedy(base, work)
 
     seen: list[set[str]] = [set(), set()]
+    idle_steps = []                     # steps where one data rank had no sequence (it still served its experts)
     execute = DeviceGroup.execute_partitions
 
     def recording(self, batches):
         for part, batch in zip(seen, batches, strict=True):
             part.update(s.request_id for s in batch.seqs)
+        idle_steps.extend(b for b in batches if not b.seqs)
         return execute(self, batches)
 
     monkeypatch.setattr(DeviceGroup, "execute_partitions", recording)
@@ -69,3 +71,4 @@ def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_b
     assert two == one
     assert seen[0] and seen[1] and not seen[0] & seen[1]       # spread over both data ranks, each on one
     assert len(seen[0] | seen[1]) == len(work)
+    assert idle_steps
