@@ -67,8 +67,14 @@ def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_b
         return execute(self, batches)
 
     monkeypatch.setattr(DeviceGroup, "execute_partitions", recording)
-    two = greedy(base + TWO_RANKS + ["parallel.data_parallel_size=2", "parallel.expert_parallel_size=2"], work)
+    dp_ep = base + TWO_RANKS + ["parallel.data_parallel_size=2", "parallel.expert_parallel_size=2"]
+    two = greedy(dp_ep, work)
     assert two == one
     assert seen[0] and seen[1] and not seen[0] & seen[1]       # spread over both data ranks, each on one
     assert len(seen[0] | seen[1]) == len(work)
+
+    # One request alone: the other data rank has no sequence at every step, yet must step (its experts
+    # serve the busy rank's tokens), and the tokens still equal one process's.
+    idle_steps.clear()
+    assert greedy(dp_ep, work[:1]) == one[:1]
     assert idle_steps
