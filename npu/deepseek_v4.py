@@ -28,12 +28,13 @@ import zlib
 import torch
 
 from appliance.core.archs.deepseek_v4 import STATE_GROUPS, compress_ratios
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, model_weights, scale_name
+from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
+from appliance.core.parallel import RankPlace
 from npu.dsv4.attention import Attention, rms_norm
 from npu.dsv4.hyper import hc_head, hc_post, hc_pre
-from npu.dsv4.moe import route, routed_experts, swiglu
+from npu.dsv4.moe import exchange_experts, route, routed_experts, swiglu
 from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan
 from npu.dsv4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
@@ -47,8 +48,8 @@ Held = torch.Tensor | QuantizedWeight
 class DeepseekV4Runner(ModelRunner):
     """DeepSeek V4 over paged caches: sliding window (ori), CSA (cmp_c{small}, idx) and HCA (cmp_c{large})."""
 
-    def __init__(self, model: ModelSpec, device: torch.device | str):
-        super().__init__(model, torch.device(device))
+    def __init__(self, model: ModelSpec, device: torch.device | str, place: RankPlace | None = None):
+        super().__init__(model, torch.device(device), place)
         lay = model.layout
         self.ratios = model.main_layer_ratios
         self.csa_ratio, self.hca_ratio = compress_ratios(lay)
@@ -68,6 +69,11 @@ class DeepseekV4Runner(ModelRunner):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {t.name: (t.shape, getattr(torch, t.dtype)) for t in checkpoint_tensors(self.model.layout)}
 
+    def held_weights(self) -> dict[str, None]:
+        """Expert parallel: the replicated weights and this rank's routed experts, each whole."""
+        lay = self.model.layout
+        return {t.name: None for w in rank_weights(lay, self.place) for t in stored_tensors(w, lay)}
+
     def random_weights(self, seed: int, std: float = 0.02, device: torch.device | str | None = None
                        ) -> dict[str, torch.Tensor]:
         """Seeded random weights whose hash-routing tables name distinct valid experts per token."""
@@ -84,7 +90,7 @@ class DeepseekV4Runner(ModelRunner):
         """Hold quantized matrices as QuantizedWeight (values + scales), norm gains and float32 tensors in
         float32, routing tables as indices, everything else as loaded (the compute dtype)."""
         lay, held = self.model.layout, {}
-        for w in model_weights(lay):
+        for w in rank_weights(lay, self.place):
             t = weights[w.name]
             if w.format in ("fp8", "fp4"):
                 scale = weights[scale_name(w.name)]
@@ -124,7 +130,11 @@ class DeepseekV4Runner(ModelRunner):
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
                                  table=table, token_ids=ids)
         expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
-        routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
+        if self.expert_parallel is None:
+            routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
+        else:
+            routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
+                                      lay.num_experts)
         shared = swiglu(x, *(w(f"{p}shared_experts.{n}.weight") for n in ("w1", "w3", "w2")), lay.swiglu_limit)
         return routed + shared
 
@@ -154,6 +164,8 @@ class DeepseekV4Runner(ModelRunner):
                 self.zero_pages(name, batch.new_pages[name])
         lay = self.model.layout
         if not batch.seqs:
+            if self.expert_parallel is not None:
+                self._serve_experts_only()
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         plan = build_plan(self.model, batch, list(self.kinds.values()), self.device)
         with torch.no_grad():
@@ -167,3 +179,12 @@ class DeepseekV4Runner(ModelRunner):
             last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
             head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
             return torch.nn.functional.linear(last, head).float()
+
+    @torch.no_grad()
+    def _serve_experts_only(self) -> None:
+        """A step with no sequences on this rank: its routed experts still serve the other ranks' tokens, so it
+        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep)."""
+        x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
+        no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        for layer in range(len(self.ratios)):
+            self._moe(layer, x, no_tokens, worst_case=False)
