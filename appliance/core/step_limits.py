@@ -118,8 +118,8 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
         wave = _chunks(limits.max_tokens, chunk, limits.max_seqs)
         if len(wave) > 1:
             steps.append(StepShape("prefill_wave", tuple(SeqShape(n, 0) for n in wave)))
-        fewest = min(limits.max_seqs, -(-limits.max_tokens // chunk))
-        most = min(limits.max_seqs, limits.max_tokens // 2)
+        most = min(limits.max_seqs, limits.max_tokens // 2)       # chunks of 2+ tokens (1 token is a decode row)
+        fewest = min(most, -(-limits.max_tokens // chunk))
         for name, num in (("long_chunks_at_full_context", fewest), ("short_chunks_at_full_context", most)):
             if num > 1 and (name.startswith("long") or most > fewest):
                 chunks = _equal_chunks(limits.max_tokens, chunk, num)

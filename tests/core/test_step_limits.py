@@ -51,8 +51,8 @@ def test_worst_steps_are_legal_and_reach_every_extreme(limits):
             assert len({s.num_tokens for s in wave}) == 1 and all(s.end > ctx - align for s in wave)
             assert sum(s.num_tokens for s in wave) > min(limits.max_tokens, len(wave) * limits.max_chunk) - len(wave)
         counts = sorted(len(wave) for wave in ends_at_context)
-        assert counts == sorted({n for n in (min(limits.max_seqs, -(-limits.max_tokens // limits.max_chunk)),
-                                             min(limits.max_seqs, limits.max_tokens // 2)) if n > 1})
+        most = min(limits.max_seqs, limits.max_tokens // 2)       # a chunk holds 2+ tokens
+        assert counts == sorted({n for n in (min(most, -(-limits.max_tokens // limits.max_chunk)), most) if n > 1})
         rest = limits.max_tokens - limits.max_decode_rows
         if rest >= 2 and limits.max_seqs > limits.max_decode_rows:
             mixed = steps["decodes_and_chunks"].seqs
