@@ -36,6 +36,27 @@ def test_sinkhorn_mixing_is_doubly_stochastic():
     assert not torch.allclose(one_pass.sum(dim=-1), torch.ones(n, hc), atol=1e-3)   # iterations matter
 
 
+def released_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """transformers' DeepseekV4HyperConnection loop, verbatim."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64, 100, 129])
+def test_sinkhorn_is_bitwise_the_released_loop(tokens):
+    """The padded in-place Sinkhorn adds and divides the same numbers in the same order as the released loop,
+    for token counts on and off its padding multiple, and leaves its input alone."""
+    gen = torch.Generator().manual_seed(tokens)
+    for hc, iters in ((4, 20), (3, 5), (4, 1)):
+        comb = torch.softmax(torch.randn(tokens, hc, hc, generator=gen) * 3, dim=-1) + 1e-6
+        before = comb.clone()
+        assert torch.equal(sinkhorn(comb, iters, 1e-6), released_sinkhorn(comb, iters, 1e-6))
+        assert torch.equal(comb, before)
+
+
 def test_hash_routing_picks_the_table_and_weights_sum_to_the_scale():
     gen = torch.Generator().manual_seed(1)
     n, dim, experts, k, vocab = 12, 16, 8, 2, 40
