@@ -7,7 +7,7 @@
 
 --decode-only times only the decode step, the models interleaved (qwen3_tiny, dsv4_tiny, qwen3_tiny, ...) for
 --repeats rounds so that load from other jobs falls on both; each cell is the median over rounds of a round's
-step time, with the rounds' min-max.
+step time (--stat of its steps), with the rounds' min-max.
 
 Prefill: B sequences, each a prompt chunk of --prompt-len tokens from position 0 (deepseek_v4 caps a
 chunk at layout.tokens_in_flight). Decode: B sequences, one token each at position --context.
@@ -174,9 +174,10 @@ def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int
 
 
 def decode_side_by_side(models: list[str], batch_sizes: list[int], context: int, iters: int, repeats: int,
-                        profile_top: int, parts_top: int) -> list[str]:
+                        stat: str, profile_top: int, parts_top: int) -> list[str]:
     """Decode step times of the models at each batch size, the models interleaved for `repeats` rounds: per
-    model and batch, the median over rounds of a round's median step, with the rounds' min-max."""
+    model and batch, the median over rounds of a round's step time (`stat` of its steps), with the rounds'
+    min-max."""
     runners = {}
     for name in models:
         rc = load_runtime_config([f"+model={name}", f"max_model_len={context + 1}"])
@@ -196,7 +197,7 @@ def decode_side_by_side(models: list[str], batch_sizes: list[int], context: int,
         rounds = {name: [] for name in models}
         for _ in range(repeats):
             for name in models:
-                rounds[name].append(time_step(runners[name], steps[name], iters, "median") * 1e3)
+                rounds[name].append(time_step(runners[name], steps[name], iters, stat) * 1e3)
         mid = {name: statistics.median(ms) for name, ms in rounds.items()}
         cells = " | ".join(f"{mid[m]:.2f} ({min(rounds[m]):.2f}-{max(rounds[m]):.2f})" for m in models)
         lines.append(f"| {b} | {cells} |" + (f" {mid[models[-1]] / mid[models[0]]:.1f}x |" if ratio else ""))
@@ -233,13 +234,13 @@ def main() -> None:
     models = args.models or ["qwen3_tiny", "dsv4_tiny"]
     if args.decode_only:
         load_before = load_avg()
-        lines = decode_side_by_side(models, args.batch_sizes, args.context, args.iters, args.repeats,
+        lines = decode_side_by_side(models, args.batch_sizes, args.context, args.iters, args.repeats, args.stat,
                                     args.profile_ops, args.profile_parts)
         print(f"command: python {' '.join(sys.argv)}")
         print(f"machine: {machine()}")
         print(f"load average (1/5/15 min): {load_before} at start, {load_avg()} at end")
-        print(f"decode at context {args.context}: median of {args.repeats} rounds (min-max) of a round's median "
-              f"of {args.iters} steps after 2 warm-up steps\n")
+        print(f"decode at context {args.context}: median of {args.repeats} rounds (min-max) of a round's "
+              f"{args.stat} of {args.iters} steps after 2 warm-up steps\n")
         print("\n".join(lines))
         return
     rows = [r for m in models for r in bench_model(m, args.batch_sizes, args.prompt_len, args.context, args.iters,
