@@ -82,10 +82,8 @@ class Compression:
 def block_table(spec: CacheGroupSpec, seqs: list[SeqStep]) -> torch.Tensor:
     """[S, M] physical pages of each sequence's logical pages (ring: slots), -1 where none."""
     lists = [s.block_tables.get(spec.name, []) for s in seqs]
-    table = torch.full((len(seqs), max(1, *map(len, lists))), -1, dtype=torch.long)
-    for i, pages in enumerate(lists):
-        table[i, :len(pages)] = torch.tensor(pages, dtype=torch.long)
-    return table
+    width = max(1, *map(len, lists))
+    return torch.tensor([[*pages, *[-1] * (width - len(pages))] for pages in lists], dtype=torch.long)   # one copy
 
 
 def locate(spec: CacheGroupSpec, table: torch.Tensor, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor,
