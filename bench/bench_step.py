@@ -83,14 +83,14 @@ def load_avg() -> str:
 
 
 def time_step(runner, batch: StepBatch, iters: int, stat: str, warmup: int = 2) -> float:
-    with torch.inference_mode():
-        for _ in range(warmup):
-            runner.execute(batch)
-        samples = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            runner.execute(batch)
-            samples.append(time.perf_counter() - t0)
+    """execute as the engine calls it: no grad mode set around it (each runner picks its own)."""
+    for _ in range(warmup):
+        runner.execute(batch)
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        samples.append(time.perf_counter() - t0)
     return STATS[stat](samples)
 
 
