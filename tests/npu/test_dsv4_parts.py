@@ -200,3 +200,25 @@ def test_queries_are_grouped_by_length_never_padded():
     for g in plan.groups:
         assert g.window_mask.shape == (g.num_seqs, g.q_len, g.q_len + rc.model.layout.sliding_window - 1)
         assert g.view(plan.pos).shape == (g.num_seqs, g.q_len)
+
+
+def test_a_plan_for_another_device_has_every_tensor_there():
+    """The plan is built on the host; for another device every index and mask is moved (a CPU plan is not)."""
+    rc = load_runtime_config(["+model=dsv4_tiny"])
+    runner = DeepseekV4Runner(rc.model, "cpu")
+    runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, 8)
+    batch = runner.scratch_batch(StepShape("mixed", (SeqShape(1, 40), SeqShape(32, 0), SeqShape(5, 32))))
+    kinds = list(runner.kinds.values())
+    host, meta = build_plan(rc.model, batch, kinds, torch.device("cpu")), build_plan(rc.model, batch, kinds,
+                                                                                    torch.device("meta"))
+
+    def tensors(plan):
+        rows = [*plan.rows.values(), *(r for g in plan.groups for r in g.keys.values())]
+        return [plan.token_ids, plan.pos, plan.sample_index, *plan.run_pos.values(),
+                *(t for r in rows for t in (r.page, r.row, r.ok)),
+                *(t for g in plan.groups for t in (g.window_mask, *g.visible.values()))]
+
+    assert len(tensors(host)) == len(tensors(meta)) > 20
+    assert all(t.device.type == "cpu" for t in tensors(host))
+    assert all(t.device.type == "meta" for t in tensors(meta))
+    assert [t.shape for t in tensors(host)] == [t.shape for t in tensors(meta)]
