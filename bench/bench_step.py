@@ -3,6 +3,11 @@
     python bench/bench_step.py                       # qwen3_tiny and dsv4_tiny
     python bench/bench_step.py --batch-sizes 1 8 32 --prompt-len 64 --context 256 --iters 20
     python bench/bench_step.py --models dsv4_tiny --profile-ops 12 --stat min     # + where a step's time goes
+    python bench/bench_step.py --decode-only --threads 1 --repeats 5      # decode at batch 1 / 8 / 32, both runners
+
+--decode-only times only the decode step, the models interleaved (qwen3_tiny, dsv4_tiny, qwen3_tiny, ...) for
+--repeats rounds so that load from other jobs falls on both; each cell is the median over rounds of a round's
+step time (--stat of its steps), with the rounds' min-max.
 
 Prefill: B sequences, each a prompt chunk of --prompt-len tokens from position 0 (deepseek_v4 caps a
 chunk at layout.tokens_in_flight). Decode: B sequences, one token each at position --context.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -43,7 +49,6 @@ def machine() -> str:
         model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
     except OSError:
         model = platform.processor() or "?"
-    import os
     return (f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"Python {platform.python_version()}")
 
@@ -73,15 +78,19 @@ def pages_needed(runner, batch: int, end_tokens: int) -> dict[str, int]:
 STATS = {"median": statistics.median, "min": min}
 
 
+def load_avg() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def time_step(runner, batch: StepBatch, iters: int, stat: str, warmup: int = 2) -> float:
-    with torch.inference_mode():
-        for _ in range(warmup):
-            runner.execute(batch)
-        samples = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            runner.execute(batch)
-            samples.append(time.perf_counter() - t0)
+    """execute as the engine calls it: no grad mode set around it (each runner picks its own)."""
+    for _ in range(warmup):
+        runner.execute(batch)
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        samples.append(time.perf_counter() - t0)
     return STATS[stat](samples)
 
 
@@ -102,6 +111,28 @@ def profile_ops(runner, batch: StepBatch, top: int) -> str:
     for e in events[:top]:
         ms = e.self_cpu_time_total / 1e3
         lines.append(f"| {e.key} | {e.count} | {ms:.2f} | {ms / (wall * 1e3):.0%} |")
+    return "\n".join(lines)
+
+
+def profile_parts(runner, batch: StepBatch, top: int) -> str:
+    """One step under torch.profiler with Python stacks: the `top` functions of npu/ by inclusive time (their
+    torch ops and Python together), as markdown. Stack tracing slows Python more than ops: compare shares of
+    one profile, not milliseconds across profiles."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        runner.execute(batch)
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            runner.execute(batch)
+    parts: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name.startswith("npu/"):
+            entry = parts.setdefault(e.name.split(" ", 1)[-1] if ": " in e.name else e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.cpu_time_total / 1e3
+    step = max(ms for _, ms in parts.values())
+    lines = ["| function (inclusive: its ops and Python) | calls | ms | share of the step |", "|---|---:|---:|---:|"]
+    for name, (calls, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| {name} | {calls} | {ms:.2f} | {ms / step:.0%} |")
     return "\n".join(lines)
 
 
@@ -142,6 +173,45 @@ def bench_model(name: str, batch_sizes: list[int], prompt_len: int, context: int
     return rows
 
 
+def decode_side_by_side(models: list[str], batch_sizes: list[int], context: int, iters: int, repeats: int,
+                        stat: str, profile_top: int, parts_top: int) -> list[str]:
+    """Decode step times of the models at each batch size, the models interleaved for `repeats` rounds: per
+    model and batch, the median over rounds of a round's step time (`stat` of its steps), with the rounds'
+    min-max."""
+    runners = {}
+    for name in models:
+        rc = load_runtime_config([f"+model={name}", f"max_model_len={context + 1}"])
+        runners[name] = build_runner(rc.model, torch.device("cpu"))
+        runners[name].load_weights()
+    head = " | ".join(f"{m} decode step ms (min-max)" for m in models)
+    ratio = f" {models[-1]} / {models[0]} |" if len(models) > 1 else ""
+    lines = [f"| batch | {head} |{ratio}", "|---:|" + "---:|" * (len(models) + (len(models) > 1))]
+    profiles = []
+    for b in batch_sizes:
+        steps = {}
+        for name, runner in runners.items():
+            runner.allocate_pools(pages_needed(runner, b, context + 1), 1)
+            pages = Pages(runner)
+            steps[name] = StepBatch([SeqStep(f"d{i}", [(5 * i) % 500 + 3], context, pages.tables(context + 1))
+                                     for i in range(b)])
+        rounds = {name: [] for name in models}
+        for _ in range(repeats):
+            for name in models:
+                rounds[name].append(time_step(runners[name], steps[name], iters, stat) * 1e3)
+        mid = {name: statistics.median(ms) for name, ms in rounds.items()}
+        cells = " | ".join(f"{mid[m]:.2f} ({min(rounds[m]):.2f}-{max(rounds[m]):.2f})" for m in models)
+        lines.append(f"| {b} | {cells} |" + (f" {mid[models[-1]] / mid[models[0]]:.1f}x |" if ratio else ""))
+        for name in models:
+            if profile_top:
+                profiles.append(f"\n{name}, decode step at batch {b}, ops:\n"
+                                + profile_ops(runners[name], steps[name], profile_top))
+            if parts_top:
+                profiles.append(f"\n{name}, decode step at batch {b}, functions:\n"
+                                + profile_parts(runners[name], steps[name], parts_top))
+            runners[name].free_pools()
+    return lines + profiles
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=None, help="conf/model names (default: the tiny models)")
@@ -153,10 +223,26 @@ def main() -> None:
     ap.add_argument("--stat", choices=sorted(STATS), default="median", help="step time reported over --iters steps")
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="profile one decode and one prefill step at the largest batch: the N costliest ops")
+    ap.add_argument("--profile-parts", type=int, default=0, metavar="N",
+                    help="--decode-only: profile each decode step with Python stacks: the N costliest functions")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only decode steps, the models side by side, interleaved for --repeats rounds")
+    ap.add_argument("--repeats", type=int, default=3, help="--decode-only: rounds per batch size")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     models = args.models or ["qwen3_tiny", "dsv4_tiny"]
+    if args.decode_only:
+        load_before = load_avg()
+        lines = decode_side_by_side(models, args.batch_sizes, args.context, args.iters, args.repeats, args.stat,
+                                    args.profile_ops, args.profile_parts)
+        print(f"command: python {' '.join(sys.argv)}")
+        print(f"machine: {machine()}")
+        print(f"load average (1/5/15 min): {load_before} at start, {load_avg()} at end")
+        print(f"decode at context {args.context}: median of {args.repeats} rounds (min-max) of a round's "
+              f"{args.stat} of {args.iters} steps after 2 warm-up steps\n")
+        print("\n".join(lines))
+        return
     rows = [r for m in models for r in bench_model(m, args.batch_sizes, args.prompt_len, args.context, args.iters,
                                                    args.stat, args.profile_ops)]
     print(f"command: python {' '.join(sys.argv)}")

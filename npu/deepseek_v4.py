@@ -154,7 +154,10 @@ class DeepseekV4Runner(ModelRunner):
         return hc_post(out, streams, post, comb)
 
     # -- steps -------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One step under inference mode (as Qwen3Runner.execute): the model is hundreds of tiny ops per layer,
+        and no_grad still pays autograd's per-op bookkeeping (about 15% of a tiny-model decode step)."""
         if not self.params:
             raise RuntimeError("DeepseekV4Runner.execute: no weights; call load_weights() or set_weights() first")
         if not self.pools:
@@ -168,19 +171,18 @@ class DeepseekV4Runner(ModelRunner):
                 self._serve_experts_only()
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         plan = build_plan(self.model, batch, list(self.kinds.values()), self.device)
-        with torch.no_grad():
-            x = self.weight("embed.weight")[plan.token_ids]
-            streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
-            rot = self.attention.rotations(plan)
-            for layer in range(len(self.ratios)):
-                streams = self._block(layer, streams, plan, rot, batch.worst_case)
-            last = hc_head(streams[plan.sample_index], self.weight("hc_head_fn"), self.weight("hc_head_base"),
-                           self.weight("hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
-            last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
-            head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
-            return torch.nn.functional.linear(last, head).float()
+        x = self.weight("embed.weight")[plan.token_ids]
+        streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
+        rot = self.attention.rotations(plan)
+        for layer in range(len(self.ratios)):
+            streams = self._block(layer, streams, plan, rot, batch.worst_case)
+        last = hc_head(streams[plan.sample_index], self.weight("hc_head_fn"), self.weight("hc_head_base"),
+                       self.weight("hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
+        last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
+        head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
+        return torch.nn.functional.linear(last, head).float()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _serve_experts_only(self) -> None:
         """A step with no sequences on this rank: its routed experts still serve the other ranks' tokens, so it
         joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep)."""

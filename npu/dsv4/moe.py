@@ -42,6 +42,22 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return F.linear(F.silu(gate) * up, w2)
 
 
+def by_expert(h: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+              limit: float | None, row_of: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, D]: pair i through expert ids[i] (expert(e) -> its w1, w3, w2), on row row_of[i] of h (row i when
+    row_of is None). The pairs are sorted by expert once (stably, so each expert gets its rows in pair order,
+    as a mask would pick them) and gathered once; each expert with rows runs once on its contiguous slice, an
+    expert no pair names is never fetched, and one scatter puts the outputs back in pair order."""
+    order = torch.argsort(ids, stable=True)
+    rows = h[order if row_of is None else row_of[order]]
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    out = rows.new_empty(rows.shape)
+    if rows.shape[0]:
+        out[order] = torch.cat([swiglu(chunk, *expert(e), limit)
+                                for e, chunk in zip(experts.tolist(), rows.split(counts.tolist()), strict=True)])
+    return out
+
+
 def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    limit: float | None) -> torch.Tensor:
@@ -49,11 +65,9 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     (expert(e) -> its w1, w3, w2 in the compute dtype). Each (token, slot) output lands in its own row of a
     [N, k, D] buffer, summed at the end: no scatter-add (slow on CPUs under load, order-dependent elsewhere)."""
     n, k = experts.shape
-    out = h.new_zeros((n, k, h.shape[-1]))
-    for e in torch.unique(experts).tolist():
-        token, slot = torch.where(experts == e)
-        out[token, slot] = swiglu(h[token], *expert(e), limit) * weights[token, slot, None].to(h.dtype)
-    return out.sum(dim=1)
+    token_of_pair = torch.arange(n * k, device=h.device) // k
+    out = by_expert(h, experts.flatten(), expert, limit, token_of_pair).view(n, k, h.shape[-1])
+    return (out * weights[..., None].to(h.dtype)).sum(dim=1)
 
 
 def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -78,11 +92,7 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     send_counts, recv_counts = send.tolist(), recv.tolist()
     rows = group.all_to_all(h[order // k], send_counts, recv_counts)
     ids = group.all_to_all(flat[order], send_counts, recv_counts)
-    out = rows.new_empty(rows.shape)
-    for e in torch.unique(ids).tolist():
-        at = torch.where(ids == e)[0]
-        out[at] = swiglu(rows[at], *expert(e), limit)
-    back = group.all_to_all(out, recv_counts, send_counts)
+    back = group.all_to_all(by_expert(rows, ids, expert, limit), recv_counts, send_counts)
     pairs = torch.empty_like(back)
     pairs[order] = back
     return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)

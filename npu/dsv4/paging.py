@@ -68,6 +68,11 @@ class StepPlan:
     run_pos: dict[int, torch.Tensor] = field(default_factory=dict)   # ratio -> [J] first token of each completed run
     rows: dict[str, Rows] = field(default_factory=dict)              # "group.use" -> rows written or pooled
 
+    def to(self, device: torch.device) -> "StepPlan":
+        return StepPlan(self.token_ids.to(device), self.pos.to(device), self.sample_index.to(device),
+                        [g.to(device) for g in self.groups], {r: v.to(device) for r, v in self.run_pos.items()},
+                        {k: v.to(device) for k, v in self.rows.items()})
+
 
 @dataclass(frozen=True)
 class Compression:
@@ -82,10 +87,8 @@ class Compression:
 def block_table(spec: CacheGroupSpec, seqs: list[SeqStep]) -> torch.Tensor:
     """[S, M] physical pages of each sequence's logical pages (ring: slots), -1 where none."""
     lists = [s.block_tables.get(spec.name, []) for s in seqs]
-    table = torch.full((len(seqs), max(1, *map(len, lists))), -1, dtype=torch.long)
-    for i, pages in enumerate(lists):
-        table[i, :len(pages)] = torch.tensor(pages, dtype=torch.long)
-    return table
+    width = max(1, *map(len, lists))
+    return torch.tensor([[*pages, *[-1] * (width - len(pages))] for pages in lists], dtype=torch.long)   # one copy
 
 
 def locate(spec: CacheGroupSpec, table: torch.Tensor, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor,
@@ -182,13 +185,10 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
             group.visible[kind.ratio] = (ci[:, None, :] + 1) * kind.ratio - 1 <= qpos[:, :, None]
             for name in kind.outputs:
                 group.keys[name] = at(name, members[:, None].expand_as(ci), ci, ci < g_stop[:, None])
-        plan.groups.append(group.to(device))
+        plan.groups.append(group)
 
-    plan.rows = {k: v.to(device) for k, v in rows.items()}
-    for name in ("token_ids", "pos", "sample_index"):
-        setattr(plan, name, getattr(plan, name).to(device))
-    plan.run_pos = {r: v.to(device) for r, v in plan.run_pos.items()}
-    return plan
+    plan.rows = rows
+    return plan if device.type == "cpu" else plan.to(device)     # built on the host
 
 
 class PoolIO:

@@ -40,17 +40,19 @@ class Rotation:
     """RoPE at fixed positions (cos and sin computed once, reused by every layer of a step)."""
 
     cos: torch.Tensor           # [N, dim], each angle repeated for its pair
-    sin: torch.Tensor
+    sin: torch.Tensor           # [N, dim], the pair's first channel negated: rotates (a, b) as (b, a) x sin
+    inverse_sin: torch.Tensor   # -sin, for rotating back
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate the trailing `dim` channels of x [N, ..., width] (pairs 2i, 2i + 1); inverse rotates back."""
+        """Rotate the trailing `dim` channels of x [N, ..., width] (pairs 2i, 2i + 1); inverse rotates back.
+        Pair (a, b) -> (a cos - b sin, b cos + a sin): the swapped pair (b, a) times the signed sin gives the
+        second products, (-b) sin computed as b (-sin), which is the same number."""
         dim = self.cos.shape[-1]
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim,)
-        cos, sin = self.cos.view(shape), self.sin.view(shape)
         keep, rope = x[..., : x.shape[-1] - dim], x[..., x.shape[-1] - dim:]
-        pairs = rope.unflatten(-1, (-1, 2))
-        rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-        rotated = (rope.float() * cos + rotated_half.float() * (-sin if inverse else sin)).to(x.dtype)
+        swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        sin = self.inverse_sin if inverse else self.sin
+        rotated = (rope.float() * self.cos.view(shape) + swapped.float() * sin.view(shape)).to(x.dtype)
         return torch.cat([keep, rotated], dim=-1)
 
 
@@ -61,8 +63,9 @@ class Rope:
 
     def at(self, pos: torch.Tensor) -> Rotation:
         angle = pos.to(torch.float32)[:, None] * self.inv_freq                  # [N, dim / 2]
-        return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1),
-                        angle.sin().to(self.dtype).repeat_interleave(2, dim=-1))
+        sin = angle.sin().to(self.dtype)
+        signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1), signed, -signed)
 
 
 def layer_ropes(layout: Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:

@@ -36,6 +36,27 @@ def test_sinkhorn_mixing_is_doubly_stochastic():
     assert not torch.allclose(one_pass.sum(dim=-1), torch.ones(n, hc), atol=1e-3)   # iterations matter
 
 
+def released_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """transformers' DeepseekV4HyperConnection loop, verbatim."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64, 100, 129])
+def test_sinkhorn_is_bitwise_the_released_loop(tokens):
+    """The padded in-place Sinkhorn adds and divides the same numbers in the same order as the released loop,
+    for token counts on and off its padding multiple, and leaves its input alone."""
+    gen = torch.Generator().manual_seed(tokens)
+    for hc, iters in ((4, 20), (3, 5), (4, 1)):
+        comb = torch.softmax(torch.randn(tokens, hc, hc, generator=gen) * 3, dim=-1) + 1e-6
+        before = comb.clone()
+        assert torch.equal(sinkhorn(comb, iters, 1e-6), released_sinkhorn(comb, iters, 1e-6))
+        assert torch.equal(comb, before)
+
+
 def test_hash_routing_picks_the_table_and_weights_sum_to_the_scale():
     gen = torch.Generator().manual_seed(1)
     n, dim, experts, k, vocab = 12, 16, 8, 2, 40
@@ -179,3 +200,25 @@ def test_queries_are_grouped_by_length_never_padded():
     for g in plan.groups:
         assert g.window_mask.shape == (g.num_seqs, g.q_len, g.q_len + rc.model.layout.sliding_window - 1)
         assert g.view(plan.pos).shape == (g.num_seqs, g.q_len)
+
+
+def test_a_plan_for_another_device_has_every_tensor_there():
+    """The plan is built on the host; for another device every index and mask is moved (a CPU plan is not)."""
+    rc = load_runtime_config(["+model=dsv4_tiny"])
+    runner = DeepseekV4Runner(rc.model, "cpu")
+    runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, 8)
+    batch = runner.scratch_batch(StepShape("mixed", (SeqShape(1, 40), SeqShape(32, 0), SeqShape(5, 32))))
+    kinds = list(runner.kinds.values())
+    host, meta = build_plan(rc.model, batch, kinds, torch.device("cpu")), build_plan(rc.model, batch, kinds,
+                                                                                    torch.device("meta"))
+
+    def tensors(plan):
+        rows = [*plan.rows.values(), *(r for g in plan.groups for r in g.keys.values())]
+        return [plan.token_ids, plan.pos, plan.sample_index, *plan.run_pos.values(),
+                *(t for r in rows for t in (r.page, r.row, r.ok)),
+                *(t for g in plan.groups for t in (g.window_mask, *g.visible.values()))]
+
+    assert len(tensors(host)) == len(tensors(meta)) > 20
+    assert all(t.device.type == "cpu" for t in tensors(host))
+    assert all(t.device.type == "meta" for t in tensors(meta))
+    assert [t.shape for t in tensors(host)] == [t.shape for t in tensors(meta)]
