@@ -107,13 +107,16 @@ def progress(message: str) -> None:
 
 
 def spread(values: Sequence[float], fmt: str = "{:,.1f}") -> str:
-    """'median [min-max]' of the runs' values (just the value for one run)."""
+    """'median [min-max]' of the runs' values (just the value for one run); 'min to max' when a sign would
+    make the dash ambiguous."""
     if not values:
         return "-"
-    median = fmt.format(statistics.median(values))
+    middle = fmt.format(statistics.median(values))
     if len(values) == 1:
-        return median
-    return f"{median} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+        return middle
+    low, high = min(values), max(values)
+    sep = " to " if low < 0 or fmt.startswith("{:+") else "-"
+    return f"{middle} [{fmt.format(low)}{sep}{fmt.format(high)}]"
 
 
 def median(values: Sequence[float]) -> float:
