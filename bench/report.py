@@ -81,8 +81,8 @@ class LoadWatch:
             f"- machine: {machine_line()}",
             f"- load average (1/5/15 min) at start: {format_load(self.start)}"
             + (" — BUSY: another job shares the cores, the figures are pessimistic" if busy else ""),
-            f"- every figure: median [min-max] over {runs} run{'s' if runs != 1 else ''}, the systems interleaved "
-            "run by run",
+            f"- every figure: median [min-max] over {runs} run{'s' if runs != 1 else ''}, the compared "
+            "systems (or phases) interleaved run by run",
         ])
 
     def footer(self) -> str:
