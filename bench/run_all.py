@@ -51,6 +51,8 @@ class Benchmark:
 
     def takes_runs(self) -> bool:
         """Whether the script has the shared --runs flag (read from its source: cheaper than starting it)."""
+        if not self.path().exists():
+            return False
         text = self.path().read_text()
         return "add_runs_argument" in text or '"--runs"' in text
 
@@ -145,8 +147,9 @@ def summary(outcomes: list[Outcome], watch: LoadWatch, runs: int, out_dir: Path,
              f"{started} UTC; {minutes(total_s)} in all", "", watch.header(runs), watch.footer(), "",
              "| benchmark | status | wall | estimate | command |", "|---|---|---:|---:|---|"]
     for o in outcomes:
-        lines.append(f"| {o.bench.name} | {o.status} | {o.wall_s:.0f} s | {o.bench.estimate_s(runs):.0f} s | "
-                     f"`{o.command or '-'}` |")
+        ran = bool(o.command)
+        lines.append(f"| {o.bench.name} | {o.status} | {f'{o.wall_s:.0f} s' if ran else '-'} | "
+                     f"{f'{o.bench.estimate_s(runs):.0f} s' if ran else '-'} | {f'`{o.command}`' if ran else '-'} |")
     for o in outcomes:
         text = (out_dir / f"{o.bench.name}.md").read_text().strip()
         lines += ["", f"## {o.bench.name}", "", text or "(no output)"]
