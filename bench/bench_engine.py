@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
+import platform
 import pstats
 import shlex
 import sys
@@ -48,7 +50,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from report import LoadWatch, add_runs_argument, interleave, progress, spread  # noqa: E402
+from report import (  # noqa: E402
+    LoadWatch,
+    add_runs_argument,
+    cpu_model,
+    format_load,
+    interleave,
+    package_version,
+    progress,
+    spread,
+    usable_cores,
+)
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.config import RuntimeConfig  # noqa: E402
@@ -89,6 +101,17 @@ def engine_overrides(args: argparse.Namespace, weights: str) -> list[str]:
            f"max_num_seqs={max(64, slots)}", f"decode_batch={args.decode_batch}",
            f"max_num_batched_tokens={args.max_num_batched_tokens}"]
     return out  # no device.cpu_threads: --threads / torch's default holds for both sides (checked in main)
+
+
+def machine() -> dict[str, str]:
+    """The machine as a dict (bench_dsv4.py formats it itself; new scripts use report.LoadWatch.header)."""
+    return {"cpu": cpu_model(), "nproc": str(usable_cores()), "torch": torch.__version__,
+            "threads": str(torch.get_num_threads()), "transformers": package_version("transformers"),
+            "python": platform.python_version()}
+
+
+def load_avg() -> str:
+    return format_load(os.getloadavg())
 
 
 # -- engine side ---------------------------------------------------------------------------------------------

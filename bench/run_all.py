@@ -76,7 +76,7 @@ BENCHMARKS = (
     Benchmark("health", "bench_health_under_big_prompts.py", ("--seconds", "5"), setup_s=10, run_s=16),
     Benchmark("tp", "bench_tp.py", setup_s=5, run_s=10),
     Benchmark("step", "bench_step.py", ("--threads", "1"), setup_s=60, run_s=30),
-    Benchmark("dsv4", "bench_dsv4.py", setup_s=120, run_s=60),
+    Benchmark("dsv4", "bench_dsv4.py", setup_s=300, run_s=60),    # transformers one request at a time: slow
     Benchmark("peers", "bench_peers.py", setup_s=120, run_s=120),
     Benchmark("engine-scale", "bench_engine.py", ("--workload", "scale"), setup_s=180, run_s=90, by_default=False),
     Benchmark("guidellm", "bench_guidellm.py", ("--guidellm", "guidellm", "--out", "{out_dir}/guidellm.json"),
