@@ -14,10 +14,12 @@ seed). Greedy, ignore_eos, and only the requested output tokens are counted on b
   requests go through Engine.submit with a callback, as mode=bench does, so tokens are timestamped.
 - transformers: what a careful user does with `generate`: requests sorted by prompt length, cut into
   batches, left padding with an attention mask, max_new_tokens = the longest output of the batch, each row
-  then truncated to its own output length. The batch size is transformers' best for the workload: a quick
-  pass runs the workload once at each of --hf-batches (8 16 32 64) and keeps the fastest (--hf-batch pins
-  one). The tokens HF computes past a row's length are work it wastes; they are reported (as "computed
-  tok/s") but not counted as output.
+  then truncated to its own output length. The batch size and torch thread count are transformers' best for
+  the workload: a quick pass runs the workload once at each of --hf-batches (8 16 32 64) x --hf-threads (1
+  and torch's default) and keeps the fastest (--hf-batch pins the size). The thread count matters: on a
+  loaded 2-core host, 2 OpenMP threads made `generate` over 10x slower than 1 while the engine barely moved.
+  The tokens HF computes past a row's length are work it wastes; they are reported (as "computed tok/s") but
+  not counted as output.
 
 Each side runs --runs times (default 3), interleaved: engine run 1, transformers run 1, engine run 2, ...; the
 engine is a fresh Appliance each run (a reused one would serve the repeated prompts from its prefix cache),
@@ -34,6 +36,7 @@ markdown section for BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -120,11 +123,14 @@ def run_engine(engine, work: list[tuple[list[int], int]], prefix: str, timeout: 
     tokens: list[list[int]] = [[] for _ in work]
     times: list[list[float]] = [[] for _ in work]
     errors: list[str] = []
+    loop_threads: list[int] = []     # torch's thread count as the engine loop thread sees it
     remaining = [len(work)]
     all_done = threading.Event()
 
     def record(i: int, out) -> None:  # runs on the engine loop thread
         now = time.perf_counter()
+        if not loop_threads:
+            loop_threads.append(torch.get_num_threads())
         tokens[i].extend(out.new_token_ids)
         times[i].extend([now] * len(out.new_token_ids))
         if out.finished:
@@ -143,7 +149,7 @@ def run_engine(engine, work: list[tuple[list[int], int]], prefix: str, timeout: 
     elapsed = time.perf_counter() - start
     if errors:
         raise RuntimeError("engine requests did not finish by length: " + "; ".join(errors[:5]))
-    return {"tokens": tokens, "times": times, "start": start, "elapsed_s": elapsed,
+    return {"tokens": tokens, "times": times, "start": start, "elapsed_s": elapsed, "loop_threads": loop_threads[0],
             "output_tokens": sum(len(t) for t in tokens)}
 
 
@@ -265,20 +271,37 @@ def hf_decode(model, batch: int, decode_len: int, vocab: int, pad_id: int) -> di
     return {"tok_s": batch * (decode_len - 1) / secs, "ms_step": secs / (decode_len - 1) * 1e3}
 
 
-def hf_side(model, work, hf_batch: int, pad_id: int, args, vocab: int) -> dict:
-    res = hf_mixed(model, work, hf_batch, pad_id)
-    res["decode"] = {b: hf_decode(model, b, args.decode_len, vocab, pad_id) for b in args.decode_batches}
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n for the block (this thread), then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hf_side(model, work, setting: tuple[int, int], pad_id: int, args, vocab: int) -> dict:
+    """One transformers run at setting = (threads, batch size): the workload, then steady decode."""
+    threads, batch = setting
+    with torch_threads(threads):
+        res = hf_mixed(model, work, batch, pad_id)
+        res["decode"] = {b: hf_decode(model, b, args.decode_len, vocab, pad_id) for b in args.decode_batches}
     return res
 
 
-def best_hf_batch(model, work, candidates: list[int], pad_id: int) -> tuple[int, dict[int, float]]:
-    """transformers' fastest batch size for this workload: one run of it at each candidate (capped at the
-    number of requests). Returns (best, output tok/s per size tried)."""
-    tried: dict[int, float] = {}
-    for b in sorted({min(c, len(work)) for c in candidates}):
-        progress(f"[bench_engine] transformers batch size search: {b} ...")
-        r = hf_mixed(model, work, b, pad_id)
-        tried[b] = r["output_tokens"] / r["elapsed_s"]
+def best_hf_setting(model, work, batches: list[int], threads: list[int],
+                    pad_id: int) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
+    """transformers' fastest (threads, batch size) for this workload: one run at each pair (batch sizes capped
+    at the number of requests). Returns (best, output tok/s per pair tried)."""
+    tried: dict[tuple[int, int], float] = {}
+    for t in sorted(set(threads)):
+        with torch_threads(t):
+            for b in sorted({min(c, len(work)) for c in batches}):
+                progress(f"[bench_engine] transformers setting search: {t} thread(s), batch {b} ...")
+                r = hf_mixed(model, work, b, pad_id)
+                tried[(t, b)] = r["output_tokens"] / r["elapsed_s"]
     return max(tried, key=tried.get), tried
 
 
@@ -301,8 +324,9 @@ def tok_s(r: dict, key: str = "output_tokens") -> float:
 
 
 def markdown(args, rc: RuntimeConfig, overrides: list[str], watch: LoadWatch, engs: list[dict], hfs: list[dict],
-             work, matches: int, diverged: list[tuple[int, dict]], hf_load_s: float, hf_batch: int,
-             hf_tried: dict[int, float], profile: str) -> str:
+             work, matches: int, diverged: list[tuple[int, dict]], hf_load_s: float, hf_setting: tuple[int, int],
+             hf_tried: dict[tuple[int, int], float], profile: str) -> str:
+    hf_threads, hf_batch = hf_setting
     lay = rc.model.layout
     prompt_lens = [len(p) for p, _ in work]
     out_lens = [n for _, n in work]
@@ -310,7 +334,8 @@ def markdown(args, rc: RuntimeConfig, overrides: list[str], watch: LoadWatch, en
     L = [f"### Engine vs transformers `generate` — {args.workload} workload{' (quick)' if args.quick else ''}", ""]
     L += ["```", f"python {shlex.join(sys.argv)}", "```", ""]
     L += [watch.header(args.runs),
-          f"- torch threads: {torch.get_num_threads()} (both sides, one process)",
+          f"- torch threads: engine {engs[0]['loop_threads']} (as its loop thread sees it), transformers "
+          f"{hf_threads} (one process)",
           f"- model: random Qwen3 (seed {WEIGHTS_SEED}, std {args.std}), hidden {lay.hidden_size}, {lay.num_layers} "
           f"layers, {lay.num_heads} heads / {lay.num_kv_heads} KV heads x {lay.head_dim}, intermediate "
           f"{lay.intermediate_size}, vocab {lay.vocab_size}, {lay.dtype}; one checkpoint loaded by both sides",
@@ -321,13 +346,14 @@ def markdown(args, rc: RuntimeConfig, overrides: list[str], watch: LoadWatch, en
           f"- transformers: sorted by prompt length, batches of **{hf_batch}**, left padding + attention mask, "
           f"max_new_tokens = longest output in the batch, rows truncated to their own length; it computes "
           f"{hfs[0]['computed_tokens']:,} tokens to deliver {hfs[0]['output_tokens']:,}",
-          "- transformers batch size: "
-          + (", ".join(f"{b}: {t:,.0f} tok/s" for b, t in hf_tried.items()) + f" (one run each); fastest {hf_batch}"
-             if hf_tried else f"{hf_batch}, pinned by --hf-batch"), ""]
+          "- transformers setting (threads x batch: output tok/s, one run each): "
+          + (", ".join(f"{t} x {b}: {v:,.0f}" for (t, b), v in hf_tried.items())
+             + f"; fastest {hf_threads} thread(s), batch {hf_batch}" if hf_tried
+             else f"{hf_threads} thread(s), batch {hf_batch}, pinned"), ""]
     L += ["| system | output tokens | wall s | output tok/s | vs transformers |", "|---|---:|---:|---:|---:|"]
     L.append(f"| this engine | {engs[0]['output_tokens']:,} | {spread([e['elapsed_s'] for e in engs], '{:.2f}')} | "
              f"{spread([tok_s(e) for e in engs], '{:,.0f}')} | {spread(ratios, '{:.2f}')}x |")
-    L.append(f"| transformers generate (batch {hf_batch}) | {hfs[0]['output_tokens']:,} | "
+    L.append(f"| transformers generate (batch {hf_batch}, {hf_threads} thread(s)) | {hfs[0]['output_tokens']:,} | "
              f"{spread([h['elapsed_s'] for h in hfs], '{:.2f}')} | {spread([tok_s(h) for h in hfs], '{:,.0f}')} | "
              "1.00x |")
     L.append(f"| transformers, counting the padded tokens it computed | {hfs[0]['computed_tokens']:,} | | "
@@ -375,9 +401,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="default 64 (16 with --quick)")
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer and shorter requests")
     add_runs_argument(ap)
-    ap.add_argument("--hf-batch", type=int, default=None, help="pin the transformers batch size (no search)")
+    ap.add_argument("--hf-batch", type=int, default=None, help="pin the transformers batch size")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[8, 16, 32, 64],
                     help="transformers batch sizes tried in the quick pass; the fastest is used")
+    ap.add_argument("--hf-threads", type=int, nargs="+", default=None,
+                    help="torch thread counts tried for transformers in the quick pass (default: 1 and the "
+                         "engine's)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--decode-len", type=int, default=None, help="output tokens per decode request (256; quick 32)")
     ap.add_argument("--decode-batch", type=int, default=64, help="engine decode_batch")
@@ -418,13 +447,17 @@ def main() -> None:
         hf_load_s = time.perf_counter() - t0
         pad_id = model.config.pad_token_id
         hf_generate(model, [p[:16] for p, _ in work[:4]], 4, pad_id)  # warm-up
-        hf_tried: dict[int, float] = {}
-        hf_batch = args.hf_batch
-        if hf_batch is None:
-            hf_batch, hf_tried = best_hf_batch(model, work, args.hf_batches, pad_id)
+        batches = [args.hf_batch] if args.hf_batch else args.hf_batches
+        thread_counts = args.hf_threads or [1, threads]
+        hf_tried: dict[tuple[int, int], float] = {}
+        if len(set(batches)) * len(set(thread_counts)) > 1:
+            hf_setting, hf_tried = best_hf_setting(model, work, batches, thread_counts, pad_id)
+        else:
+            hf_setting = (thread_counts[0], min(batches[0], len(work)))
         runs = interleave(args.runs, {
             "engine": lambda i: engine_side(rc, work, args),
-            f"transformers (batch {hf_batch})": lambda i: hf_side(model, work, hf_batch, pad_id, args, vocab),
+            f"transformers ({hf_setting[0]} thread(s), batch {hf_setting[1]})":
+                lambda i: hf_side(model, work, hf_setting, pad_id, args, vocab),
         }, "bench_engine")
         engs, hfs = runs.values()
         for side, results in (("engine", engs), ("transformers", hfs)):
@@ -440,7 +473,7 @@ def main() -> None:
         raise RuntimeError(f"torch threads changed from {threads} to {torch.get_num_threads()} during the run "
                            "(device.cpu_threads?): the two sides would not be compared on equal terms")
     shown = [o if not o.startswith("model.weights=") else "model.weights=<checkpoint dir>" for o in overrides]
-    print(markdown(args, rc, shown, watch, engs, hfs, work, matches, diverged, hf_load_s, hf_batch, hf_tried,
+    print(markdown(args, rc, shown, watch, engs, hfs, work, matches, diverged, hf_load_s, hf_setting, hf_tried,
                    profile))
 
 
