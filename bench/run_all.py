@@ -70,7 +70,7 @@ GRPC_SERVER = ("device=cpu", "max_model_len=128", "kv_cache.num_slots_override=6
                "--requests", "64", "--threads", "1")
 BENCHMARKS = (
     Benchmark("plan", "bench_plan_sweep.py", setup_s=0, run_s=85),
-    Benchmark("engine", "bench_engine.py", ("--workload", "mixed"), setup_s=30, run_s=20),
+    Benchmark("engine", "bench_engine.py", ("--workload", "mixed"), setup_s=60, run_s=20),   # + the HF search
     Benchmark("grpc", "bench_grpc.py", GRPC_SERVER, setup_s=20, run_s=15),
     Benchmark("http", "bench_http.py", GRPC_SERVER, setup_s=15, run_s=15),
     Benchmark("health", "bench_health_under_big_prompts.py", ("--seconds", "5"), setup_s=10, run_s=16),
