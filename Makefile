@@ -1,6 +1,6 @@
 PYTHON ?= python
 
-.PHONY: install test proto bench clean
+.PHONY: install test proto bench bench-all clean
 
 # The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build.
 install:
@@ -16,6 +16,11 @@ proto:
 
 bench:
 	$(PYTHON) bench/bench_plan_sweep.py
+
+# Every benchmark BENCHMARKS.md reports, N interleaved runs each, into bench/results/<UTC time>/ (about 20 min on a
+# quiet 2-core machine). A subset: make bench-all BENCH_ARGS="--only engine,grpc --runs 1"; the list: --list.
+bench-all:
+	$(PYTHON) bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache build *.egg-info

@@ -4,6 +4,7 @@
     python bench/bench_engine.py --workload scale       # 4-layer hidden-512 bf16 Qwen3, 64 x 128 in / 128 out
     python bench/bench_engine.py --quick                # smoke run (fewer, shorter requests)
     python bench/bench_engine.py --threads 2 --profile  # + cProfile of the engine loop thread
+    python bench/bench_engine.py --runs 5               # 5 interleaved runs per side (default 3)
 
 Both sides load one tiny random Qwen3 checkpoint written here (npu.checkpoint.write_tiny_checkpoint, fixed
 seed). Greedy, ignore_eos, and only the requested output tokens are counted on both sides.
@@ -12,26 +13,36 @@ seed). Greedy, ignore_eos, and only the requested output tokens are counted on b
   request admitted at once); the workload is appliance.modes.bench.seeded_workload over bench.* overrides;
   requests go through Engine.submit with a callback, as mode=bench does, so tokens are timestamped.
 - transformers: what a careful user does with `generate`: requests sorted by prompt length, cut into
-  batches of --hf-batch (16 for mixed, 64 for scale), left padding with an attention mask,
-  max_new_tokens = the longest output of the batch, each row then truncated to its own output length.
-  The tokens HF computes past a row's length are work it wastes; they are reported but not counted.
+  batches, left padding with an attention mask, max_new_tokens = the longest output of the batch, each row
+  then truncated to its own output length. The batch size and torch thread count are transformers' best for
+  the workload: a quick pass runs the workload once at each of --hf-batches (8 16 32 64) x --hf-threads (1
+  and torch's default) and keeps the fastest (--hf-batch pins the size). The thread count matters: on a
+  loaded 2-core host, 2 OpenMP threads made `generate` over 10x slower than 1 while the engine barely moved.
+  The tokens HF computes past a row's length are work it wastes; they are reported (as "computed tok/s") but
+  not counted as output.
+
+Each side runs --runs times (default 3), interleaved: engine run 1, transformers run 1, engine run 2, ...; the
+engine is a fresh Appliance each run (a reused one would serve the repeated prompts from its prefix cache),
+the transformers model is loaded once. Every figure is the median [min-max] over the runs; the load average is
+printed at start and end.
 
 Also: the engine's time to ready, the greedy match rate (first divergence and the HF top-2 logit gap there
 for each mismatch), and steady-state decode tokens/s at batch 1, 8, 32 (short prompts, long outputs,
 started together; timed from the step where every request has its first token to the last token; HF:
-(T(N) - T(1)) of generate with N and 1 new tokens). Prints a markdown section for BENCHMARKS.md.
+(T(N) - T(1)) of generate with N and 1 new tokens), measured in the same interleaved runs. Prints a
+markdown section for BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
 import platform
 import pstats
 import shlex
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,10 +50,22 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from report import (  # noqa: E402
+    LoadWatch,
+    add_runs_argument,
+    cpu_model,
+    format_load,
+    interleave,
+    package_version,
+    progress,
+    spread,
+    usable_cores,
+)
 
-from appliance.config.compose import load_runtime_config
+from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.config import RuntimeConfig  # noqa: E402
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.modes.bench import seeded_workload  # noqa: E402
@@ -84,22 +107,14 @@ def engine_overrides(args: argparse.Namespace, weights: str) -> list[str]:
 
 
 def machine() -> dict[str, str]:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
-    except OSError:
-        cpu = platform.processor() or "?"
-    try:
-        nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        nproc = str(os.cpu_count())
-    import transformers
-    return {"cpu": cpu, "nproc": nproc, "torch": torch.__version__, "threads": str(torch.get_num_threads()),
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    """The machine as a dict (bench_dsv4.py formats it itself; new scripts use report.LoadWatch.header)."""
+    return {"cpu": cpu_model(), "nproc": str(usable_cores()), "torch": torch.__version__,
+            "threads": str(torch.get_num_threads()), "transformers": package_version("transformers"),
+            "python": platform.python_version()}
 
 
 def load_avg() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    return format_load(os.getloadavg())
 
 
 # -- engine side ---------------------------------------------------------------------------------------------
@@ -108,11 +123,14 @@ def run_engine(engine, work: list[tuple[list[int], int]], prefix: str, timeout: 
     tokens: list[list[int]] = [[] for _ in work]
     times: list[list[float]] = [[] for _ in work]
     errors: list[str] = []
+    loop_threads: list[int] = []     # torch's thread count as the engine loop thread sees it
     remaining = [len(work)]
     all_done = threading.Event()
 
     def record(i: int, out) -> None:  # runs on the engine loop thread
         now = time.perf_counter()
+        if not loop_threads:
+            loop_threads.append(torch.get_num_threads())
         tokens[i].extend(out.new_token_ids)
         times[i].extend([now] * len(out.new_token_ids))
         if out.finished:
@@ -131,7 +149,7 @@ def run_engine(engine, work: list[tuple[list[int], int]], prefix: str, timeout: 
     elapsed = time.perf_counter() - start
     if errors:
         raise RuntimeError("engine requests did not finish by length: " + "; ".join(errors[:5]))
-    return {"tokens": tokens, "times": times, "start": start, "elapsed_s": elapsed,
+    return {"tokens": tokens, "times": times, "start": start, "elapsed_s": elapsed, "loop_threads": loop_threads[0],
             "output_tokens": sum(len(t) for t in tokens)}
 
 
@@ -156,7 +174,7 @@ def engine_side(rc: RuntimeConfig, work, args) -> dict:
     startup_s = time.perf_counter() - t0
     engine = app.engine
     try:
-        run_engine(engine, [(p[:16], 4) for p, _ in work[:4]], "warmup")
+        run_engine(engine, [(p[:16][::-1], 4) for p, _ in work[:4]], "warmup")  # no prefix of the work
         steps0 = engine.steps
         res = run_engine(engine, work, "work")
         res["steps"] = engine.steps - steps0
@@ -169,7 +187,7 @@ def engine_side(rc: RuntimeConfig, work, args) -> dict:
             decode[b] = {"tok_s": n / secs, "ms_step": secs / steps * 1e3}
     finally:
         app.close()
-    res.update(startup_s=startup_s, report=app.report, decode=decode)
+    res.update(startup_s=startup_s, decode=decode)
     return res
 
 
@@ -223,8 +241,8 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int) -> l
     return out[:, width:].tolist()
 
 
-def hf_side(model, work, hf_batch: int, pad_id: int, decode_batches, decode_len: int, vocab: int) -> dict:
-    hf_generate(model, [p[:16] for p, _ in work[:4]], 4, pad_id)  # warm-up
+def hf_mixed(model, work, hf_batch: int, pad_id: int) -> dict:
+    """The workload as a careful user batches it for `generate` (see the module docstring)."""
     order = sorted(range(len(work)), key=lambda i: len(work[i][0]))
     tokens: list[list[int]] = [[] for _ in work]
     computed = 0
@@ -237,18 +255,54 @@ def hf_side(model, work, hf_batch: int, pad_id: int, decode_batches, decode_len:
         for i, row in zip(idx, out):
             tokens[i] = row[:work[i][1]]
     elapsed = time.perf_counter() - start
-    decode = {}
-    for b in decode_batches:
-        prompts = decode_prompts(b, vocab)
-        t0 = time.perf_counter()
-        hf_generate(model, prompts, 1, pad_id)
-        t1 = time.perf_counter()
-        hf_generate(model, prompts, decode_len, pad_id)
-        t2 = time.perf_counter()
-        secs = (t2 - t1) - (t1 - t0)
-        decode[b] = {"tok_s": b * (decode_len - 1) / secs, "ms_step": secs / (decode_len - 1) * 1e3}
     return {"tokens": tokens, "elapsed_s": elapsed, "output_tokens": sum(len(t) for t in tokens),
-            "computed_tokens": computed, "decode": decode}
+            "computed_tokens": computed}
+
+
+def hf_decode(model, batch: int, decode_len: int, vocab: int, pad_id: int) -> dict:
+    """Steady decode of `batch` rows: (T(N new tokens) - T(1 new token)) takes the prefill out."""
+    prompts = decode_prompts(batch, vocab)
+    t0 = time.perf_counter()
+    hf_generate(model, prompts, 1, pad_id)
+    t1 = time.perf_counter()
+    hf_generate(model, prompts, decode_len, pad_id)
+    t2 = time.perf_counter()
+    secs = (t2 - t1) - (t1 - t0)
+    return {"tok_s": batch * (decode_len - 1) / secs, "ms_step": secs / (decode_len - 1) * 1e3}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n for the block (this thread), then put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hf_side(model, work, setting: tuple[int, int], pad_id: int, args, vocab: int) -> dict:
+    """One transformers run at setting = (threads, batch size): the workload, then steady decode."""
+    threads, batch = setting
+    with torch_threads(threads):
+        res = hf_mixed(model, work, batch, pad_id)
+        res["decode"] = {b: hf_decode(model, b, args.decode_len, vocab, pad_id) for b in args.decode_batches}
+    return res
+
+
+def best_hf_setting(model, work, batches: list[int], threads: list[int],
+                    pad_id: int) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
+    """transformers' fastest (threads, batch size) for this workload: one run at each pair (batch sizes capped
+    at the number of requests). Returns (best, output tok/s per pair tried)."""
+    tried: dict[tuple[int, int], float] = {}
+    for t in sorted(set(threads)):
+        with torch_threads(t):
+            for b in sorted({min(c, len(work)) for c in batches}):
+                progress(f"[bench_engine] transformers setting search: {t} thread(s), batch {b} ...")
+                r = hf_mixed(model, work, b, pad_id)
+                tried[(t, b)] = r["output_tokens"] / r["elapsed_s"]
+    return max(tried, key=tried.get), tried
 
 
 def divergence(model, prompt: list[int], hf_toks: list[int], eng_toks: list[int]) -> dict:
@@ -265,38 +319,50 @@ def divergence(model, prompt: list[int], hf_toks: list[int], eng_toks: list[int]
 
 
 # -- report --------------------------------------------------------------------------------------------------
-def markdown(args, rc: RuntimeConfig, overrides: list[str], mach: dict, loads: tuple[str, str], eng: dict,
-             hf: dict, work, matches: int, diverged: list[tuple[int, dict]], hf_load_s: float, profile: str) -> str:
+def tok_s(r: dict, key: str = "output_tokens") -> float:
+    return r[key] / r["elapsed_s"]
+
+
+def markdown(args, rc: RuntimeConfig, overrides: list[str], watch: LoadWatch, engs: list[dict], hfs: list[dict],
+             work, matches: int, diverged: list[tuple[int, dict]], hf_load_s: float, hf_setting: tuple[int, int],
+             hf_tried: dict[tuple[int, int], float], profile: str) -> str:
+    hf_threads, hf_batch = hf_setting
     lay = rc.model.layout
-    rep = eng["report"]
-    ratio = (eng["output_tokens"] / eng["elapsed_s"]) / (hf["output_tokens"] / hf["elapsed_s"])
     prompt_lens = [len(p) for p, _ in work]
     out_lens = [n for _, n in work]
+    ratios = [tok_s(e) / tok_s(h) for e, h in zip(engs, hfs)]
     L = [f"### Engine vs transformers `generate` — {args.workload} workload{' (quick)' if args.quick else ''}", ""]
     L += ["```", f"python {shlex.join(sys.argv)}", "```", ""]
-    L += [f"- machine: {mach['cpu']}, nproc {mach['nproc']}, torch {mach['torch']} ({mach['threads']} threads), "
-          f"transformers {mach['transformers']}, Python {mach['python']}; load average (1/5/15 min) "
-          f"{loads[0]} at start, {loads[1]} at end",
+    L += [watch.header(args.runs),
+          f"- torch threads: engine {engs[0]['loop_threads']} (as its loop thread sees it), transformers "
+          f"{hf_threads} (one process)",
           f"- model: random Qwen3 (seed {WEIGHTS_SEED}, std {args.std}), hidden {lay.hidden_size}, {lay.num_layers} "
           f"layers, {lay.num_heads} heads / {lay.num_kv_heads} KV heads x {lay.head_dim}, intermediate "
           f"{lay.intermediate_size}, vocab {lay.vocab_size}, {lay.dtype}; one checkpoint loaded by both sides",
           f"- workload: {len(work)} requests, prompt {min(prompt_lens)}-{max(prompt_lens)} tokens "
           f"(mean {sum(prompt_lens) / len(work):.0f}), output {min(out_lens)}-{max(out_lens)} "
           f"(mean {sum(out_lens) / len(work):.0f}), seed {args.seed}, greedy, ignore_eos; all submitted at once",
-          f"- engine: `{' '.join(overrides)}`",
-          f"- transformers: sorted by prompt length, batches of {args.hf_batch}, left padding + attention mask, "
-          f"max_new_tokens = longest output in the batch, rows truncated to their own length "
-          f"(HF generated {hf['computed_tokens']:,} tokens to deliver {hf['output_tokens']:,}: "
-          f"{hf['computed_tokens'] / hf['elapsed_s']:,.0f} tok/s counting the discarded ones)", ""]
+          f"- engine: `{' '.join(overrides)}`; a fresh Appliance each run (no prefix-cache hits across runs)",
+          f"- transformers: sorted by prompt length, batches of **{hf_batch}**, left padding + attention mask, "
+          f"max_new_tokens = longest output in the batch, rows truncated to their own length; it computes "
+          f"{hfs[0]['computed_tokens']:,} tokens to deliver {hfs[0]['output_tokens']:,}",
+          "- transformers setting (threads x batch: output tok/s, one run each): "
+          + (", ".join(f"{t} x {b}: {v:,.0f}" for (t, b), v in hf_tried.items())
+             + f"; fastest {hf_threads} thread(s), batch {hf_batch}" if hf_tried
+             else f"{hf_threads} thread(s), batch {hf_batch}, pinned"), ""]
     L += ["| system | output tokens | wall s | output tok/s | vs transformers |", "|---|---:|---:|---:|---:|"]
-    for name, r in (("this engine", eng), ("transformers generate", hf)):
-        tps = r["output_tokens"] / r["elapsed_s"]
-        rel = tps / (hf["output_tokens"] / hf["elapsed_s"])
-        L.append(f"| {name} | {r['output_tokens']:,} | {r['elapsed_s']:.2f} | {tps:,.0f} | {rel:.2f}x |")
-    L += ["", f"- engine: time to ready {eng['startup_s']:.2f} s (weights {rep.load_seconds:.2f} s, profiling step "
-              f"{rep.profile_seconds:.2f} s, pools {rep.allocate_seconds:.2f} s; {rep.capacity_slots} slots); "
-              f"{eng['steps']} steps, {eng['preemptions']} preemptions. transformers from_pretrained {hf_load_s:.2f} s (first call: includes its lazy imports)",
-          f"- speed-up: **{ratio:.2f}x** output tokens/s",
+    L.append(f"| this engine | {engs[0]['output_tokens']:,} | {spread([e['elapsed_s'] for e in engs], '{:.2f}')} | "
+             f"{spread([tok_s(e) for e in engs], '{:,.0f}')} | {spread(ratios, '{:.2f}')}x |")
+    L.append(f"| transformers generate (batch {hf_batch}, {hf_threads} thread(s)) | {hfs[0]['output_tokens']:,} | "
+             f"{spread([h['elapsed_s'] for h in hfs], '{:.2f}')} | {spread([tok_s(h) for h in hfs], '{:,.0f}')} | "
+             "1.00x |")
+    L.append(f"| transformers, counting the padded tokens it computed | {hfs[0]['computed_tokens']:,} | | "
+             f"{spread([tok_s(h, 'computed_tokens') for h in hfs], '{:,.0f}')} | |")
+    L += ["", f"- engine: time to ready {spread([e['startup_s'] for e in engs], '{:.2f}')} s; "
+              f"{engs[0]['steps']} steps, {engs[0]['preemptions']} preemptions; transformers from_pretrained "
+              f"{hf_load_s:.2f} s (once; first call includes its lazy imports)",
+          f"- speed-up (per run, engine / transformers of the same round): **{spread(ratios, '{:.2f}')}x** "
+          "output tokens/s",
           f"- greedy match: **{matches}/{len(work)}** requests token-identical", ""]
     if diverged:
         L += ["| request | prompt | output | first divergence | HF top-2 gap there | engine token: HF rank, "
@@ -309,13 +375,18 @@ def markdown(args, rc: RuntimeConfig, overrides: list[str], mach: dict, loads: t
         L.append("")
     L += [f"Steady-state decode: batch B requests of {DECODE_PROMPT_LEN}-token prompts and {args.decode_len} "
           "output tokens started together; engine timed from the step where every request has its first token "
-          "to the last token; transformers: B x (N - 1) / (T(N new tokens) - T(1 new token)).", "",
+          "to the last token; transformers: B x (N - 1) / (T(N new tokens) - T(1 new token)); same interleaved "
+          "runs.", "",
           "| batch | engine tok/s | engine ms/step | transformers tok/s | transformers ms/step | ratio |",
           "|---:|---:|---:|---:|---:|---:|"]
     for b in args.decode_batches:
-        e, h = eng["decode"][b], hf["decode"][b]
-        L.append(f"| {b} | {e['tok_s']:,.0f} | {e['ms_step']:.2f} | {h['tok_s']:,.0f} | {h['ms_step']:.2f} | "
-                 f"{e['tok_s'] / h['tok_s']:.2f}x |")
+        e = [r["decode"][b] for r in engs]
+        h = [r["decode"][b] for r in hfs]
+        ratio = [x["tok_s"] / y["tok_s"] for x, y in zip(e, h)]
+        L.append(f"| {b} | {spread([x['tok_s'] for x in e], '{:,.0f}')} | {spread([x['ms_step'] for x in e], '{:.2f}')}"
+                 f" | {spread([y['tok_s'] for y in h], '{:,.0f}')} | {spread([y['ms_step'] for y in h], '{:.2f}')} | "
+                 f"{spread(ratio, '{:.2f}')}x |")
+    L += ["", watch.footer()]
     if profile:
         L += ["", "<details><summary>cProfile of the engine loop thread</summary>", "", "```", profile.strip(),
               "```", "</details>"]
@@ -329,7 +400,13 @@ def main() -> None:
                     help="torch.set_num_threads for the whole process (default: torch's choice)")
     ap.add_argument("--requests", type=int, default=None, help="default 64 (16 with --quick)")
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer and shorter requests")
-    ap.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default 16 mixed, 64 scale)")
+    add_runs_argument(ap)
+    ap.add_argument("--hf-batch", type=int, default=None, help="pin the transformers batch size")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[8, 16, 32, 64],
+                    help="transformers batch sizes tried in the quick pass; the fastest is used")
+    ap.add_argument("--hf-threads", type=int, nargs="+", default=None,
+                    help="torch thread counts tried for transformers in the quick pass (default: 1 and the "
+                         "engine's)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--decode-len", type=int, default=None, help="output tokens per decode request (256; quick 32)")
     ap.add_argument("--decode-batch", type=int, default=64, help="engine decode_batch")
@@ -344,12 +421,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.requests = args.requests or (16 if args.quick else 64)
-    args.hf_batch = args.hf_batch or (16 if args.workload == "mixed" else 64)
     args.decode_len = args.decode_len or (32 if args.quick else 256)
     if args.decode_len < 2:
         ap.error("--decode-len must be >= 2")
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
 
-    loads = [load_avg()]
+    watch = LoadWatch()
     threads = torch.get_num_threads()
     base = workload_overrides(args)
     rc0 = load_runtime_config(base)
@@ -358,32 +436,45 @@ def main() -> None:
         ckpt = write_tiny_checkpoint(Path(tmp) / "ckpt", rc0.model, seed=WEIGHTS_SEED, std=args.std)
         overrides = base + engine_overrides(args, str(ckpt))
         rc = load_runtime_config(overrides)
-        print(f"[bench_engine] engine: {len(work)} requests ...", file=sys.stderr, flush=True)
-        eng = engine_side(rc, work, args)
+        vocab = rc.model.layout.vocab_size
         profile = ""
         if args.profile:
-            print("[bench_engine] profiling the engine ...", file=sys.stderr, flush=True)
+            progress("[bench_engine] profiling the engine ...")
             profile = profile_engine(rc, work, args.profile_top)
-        print("[bench_engine] transformers ...", file=sys.stderr, flush=True)
         import transformers  # noqa: F401  (its import is not from_pretrained time)
         t0 = time.perf_counter()
         model = load_hf(ckpt, getattr(torch, rc.model.layout.dtype))
         hf_load_s = time.perf_counter() - t0
         pad_id = model.config.pad_token_id
-        hf = hf_side(model, work, args.hf_batch, pad_id, args.decode_batches, args.decode_len,
-                     rc.model.layout.vocab_size)
+        hf_generate(model, [p[:16] for p, _ in work[:4]], 4, pad_id)  # warm-up
+        batches = [args.hf_batch] if args.hf_batch else args.hf_batches
+        thread_counts = args.hf_threads or [1, threads]
+        hf_tried: dict[tuple[int, int], float] = {}
+        if len(set(batches)) * len(set(thread_counts)) > 1:
+            hf_setting, hf_tried = best_hf_setting(model, work, batches, thread_counts, pad_id)
+        else:
+            hf_setting = (thread_counts[0], min(batches[0], len(work)))
+        runs = interleave(args.runs, {
+            "engine": lambda i: engine_side(rc, work, args),
+            f"transformers ({hf_setting[0]} thread(s), batch {hf_setting[1]})":
+                lambda i: hf_side(model, work, hf_setting, pad_id, args, vocab),
+        }, "bench_engine")
+        engs, hfs = runs.values()
+        for side, results in (("engine", engs), ("transformers", hfs)):
+            if any(r["tokens"] != results[0]["tokens"] for r in results):
+                raise RuntimeError(f"{side}: greedy outputs differ between runs of the same workload")
         matches, diverged = 0, []
         for i, (prompt, _) in enumerate(work):
-            if eng["tokens"][i] == hf["tokens"][i]:
+            if engs[0]["tokens"][i] == hfs[0]["tokens"][i]:
                 matches += 1
             else:
-                diverged.append((i, divergence(model, prompt, hf["tokens"][i], eng["tokens"][i])))
-    loads.append(load_avg())
+                diverged.append((i, divergence(model, prompt, hfs[0]["tokens"][i], engs[0]["tokens"][i])))
     if torch.get_num_threads() != threads:
         raise RuntimeError(f"torch threads changed from {threads} to {torch.get_num_threads()} during the run "
                            "(device.cpu_threads?): the two sides would not be compared on equal terms")
     shown = [o if not o.startswith("model.weights=") else "model.weights=<checkpoint dir>" for o in overrides]
-    print(markdown(args, rc, shown, machine(), tuple(loads), eng, hf, work, matches, diverged, hf_load_s, profile))
+    print(markdown(args, rc, shown, watch, engs, hfs, work, matches, diverged, hf_load_s, hf_setting, hf_tried,
+                   profile))
 
 
 if __name__ == "__main__":

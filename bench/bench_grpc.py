@@ -8,15 +8,20 @@ every request submitted at once with an on_output callback; (2) `python -m appli
 with the same overrides, every request a concurrent grpc.aio stream from this process. Greedy decoding with
 ignore_eos and fixed lengths makes both do identical work, and the token ids are checked to be equal, so the
 throughput difference is the API's cost (serialization, HTTP/2, the event loop, a second process's client).
-Prints Markdown rows for BENCHMARKS.md. Target: gRPC throughput within 10% of in-process.
+
+--runs N (default 3) rounds, interleaved: in-process run 1, gRPC run 1, in-process run 2, ... The engine and
+the server are each started once and reused across rounds (their start-up is not what is measured); round i
+uses workload seed bench.seed + i on both sides, so no round is served from the prefix cache of an earlier one.
+Every figure is the median [min-max] over the rounds. Prints Markdown rows for BENCHMARKS.md. Target: gRPC
+throughput within 10% of in-process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -29,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from report import LoadWatch, add_runs_argument, interleave, median, spread  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 
@@ -63,41 +71,49 @@ def workload(rc, n: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_in_process(rc, work, warmup) -> Result:
+def submit_all(engine, batch, name: str) -> Result:
+    """Every request of the batch submitted at once to an in-process engine; waits for the last to finish."""
     from appliance.core.request import SamplingParams
+
+    done = threading.Event()
+    left = [len(batch)]
+    tokens: list[list[int]] = [[] for _ in batch]
+    first: list[float] = [0.0] * len(batch)
+    lock = threading.Lock()
+
+    def callback(i):
+        def on_output(out):
+            if out.new_token_ids and not tokens[i]:
+                first[i] = time.perf_counter()
+            tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                if out.error:
+                    print(f"request {i} failed: {out.error}", file=sys.stderr)
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+        return on_output
+
+    t0 = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(batch):
+        engine.submit(f"{name}-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      on_output=callback(i))
+    done.wait()
+    wall = time.perf_counter() - t0
+    return Result(name, wall, sum(map(len, tokens)), [f - t0 for f in first], tokens)
+
+
+@contextlib.contextmanager
+def in_process_engine(rc, warmup):
+    """A started, warmed-up Engine in this process, shut down on exit."""
     from appliance.engine.loop import Engine
 
     engine = Engine(rc)
     engine.start()
     try:
-        for name, batch in (("warmup", warmup), ("in-process", work)):
-            done = threading.Event()
-            left = [len(batch)]
-            tokens: list[list[int]] = [[] for _ in batch]
-            first: list[float] = [0.0] * len(batch)
-            lock = threading.Lock()
-
-            def callback(i):
-                def on_output(out):
-                    if out.new_token_ids and not tokens[i]:
-                        first[i] = time.perf_counter()
-                    tokens[i].extend(out.new_token_ids)
-                    if out.finished:
-                        if out.error:
-                            print(f"request {i} failed: {out.error}", file=sys.stderr)
-                        with lock:
-                            left[0] -= 1
-                            if left[0] == 0:
-                                done.set()
-                return on_output
-
-            t0 = time.perf_counter()
-            for i, (prompt, max_tokens) in enumerate(batch):
-                engine.submit(f"{name}-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                              on_output=callback(i))
-            done.wait()
-            wall = time.perf_counter() - t0
-        return Result("in-process", wall, sum(map(len, tokens)), [f - t0 for f in first], tokens)
+        submit_all(engine, warmup, "warmup")
+        yield engine
     finally:
         engine.shutdown()
 
@@ -125,7 +141,9 @@ async def _streams(address: str, batch, name: str) -> Result:
     return Result(name, wall, sum(map(len, tokens)), [f - t0 for f in first], tokens)
 
 
-def run_grpc(overrides: list[str], work, warmup, run_dir: Path) -> Result:
+@contextlib.contextmanager
+def grpc_server(overrides: list[str], warmup, run_dir: Path):
+    """`python -m appliance` with the gRPC front end on a free port, SERVING and warmed up: yields its address."""
     from appliance.client import ApplianceClient
 
     proc = subprocess.Popen([sys.executable, "-m", "appliance", *overrides, "server.port=0", "server.http_port=null",
@@ -145,7 +163,7 @@ def run_grpc(overrides: list[str], work, warmup, run_dir: Path) -> Result:
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
         ApplianceClient(address).wait_until_serving(timeout=60)
         asyncio.run(_streams(address, warmup, "warmup"))
-        return asyncio.run(_streams(address, work, "gRPC"))
+        yield address
     finally:
         stop_server(proc)
 
@@ -166,40 +184,46 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on both sides (OMP_NUM_THREADS); on a small shared CPU box the "
                          "default oversubscribes the cores once a second process (the server) runs")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each side; the best of each is reported")
+    add_runs_argument(ap)
     args = ap.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)     # before torch is imported; the server inherits it
 
     from appliance.config.compose import load_runtime_config
+    watch = LoadWatch()
     rc = load_runtime_config(args.overrides)
     n = args.requests or rc.bench.num_requests
-    work = workload(rc, n, rc.bench.seed)
-    warmup = workload(rc, 4, rc.bench.seed + 1)
+    works = [workload(rc, n, rc.bench.seed + i) for i in range(args.runs)]
+    warmup = workload(rc, 4, rc.bench.seed + 10_000)
 
-    best = lambda results: max(results, key=lambda r: r.tokens_per_s)          # noqa: E731
-    locals_, remotes = [], []
-    for _ in range(args.repeats):                 # interleaved, so a busy neighbour hurts both sides alike
-        locals_.append(run_in_process(rc, work, warmup))
-        with tempfile.TemporaryDirectory() as tmp:
-            remotes.append(run_grpc(args.overrides, work, warmup, Path(tmp) / "run"))
-    local, remote = best(locals_), best(remotes)
-    if remote.tokens != local.tokens:
-        bad = sum(a != b for a, b in zip(remote.tokens, local.tokens))
-        sys.exit(f"gRPC and in-process outputs differ for {bad} of {n} requests: the timings would not compare")
+    with tempfile.TemporaryDirectory() as tmp, in_process_engine(rc, warmup) as engine, \
+            grpc_server(args.overrides, warmup, Path(tmp) / "run") as address:
+        runs = interleave(args.runs, {
+            "in-process": lambda i: submit_all(engine, works[i], "in-process"),
+            "gRPC": lambda i: asyncio.run(_streams(address, works[i], "gRPC")),
+        }, "bench_grpc")
+    locals_, remotes = runs["in-process"], runs["gRPC"]
+    for i, (local, remote) in enumerate(zip(locals_, remotes)):
+        if remote.tokens != local.tokens:
+            bad = sum(a != b for a, b in zip(remote.tokens, local.tokens))
+            sys.exit(f"round {i + 1}: gRPC and in-process outputs differ for {bad} of {n} requests: the timings "
+                     "would not compare")
 
-    overhead = 1 - remote.tokens_per_s / local.tokens_per_s
-    print(f"\n{n} concurrent streaming requests, {local.completion_tokens} completion tokens, model "
-          f"{rc.model.name}, {platform.machine()} x {os.cpu_count()} CPUs, OMP_NUM_THREADS "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, best of {args.repeats}, overrides "
-          f"{' '.join(args.overrides) or '-'}")
-    print("| path | wall s | completion tok/s | mean TTFT ms |")
-    print("|---|---:|---:|---:|")
-    for r in (local, remote):
-        print(f"| {r.name} | {r.wall_s:.2f} | {r.tokens_per_s:,.1f} | {r.mean_ttft_ms:,.1f} |")
-    verdict = "meets" if overhead < TARGET_OVERHEAD else "MISSES"
-    print(f"\ngRPC throughput cost: {overhead:+.1%} ({verdict} the < {TARGET_OVERHEAD:.0%} target); "
-          "outputs identical")
+    overheads = [1 - r.tokens_per_s / l.tokens_per_s for l, r in zip(locals_, remotes)]  # noqa: E741
+    print(f"\n{n} concurrent streaming requests per round, model {rc.model.name}, overrides "
+          f"{' '.join(args.overrides) or '-'}; the engine and the server each started once and reused across "
+          f"rounds (round i: workload seed {rc.bench.seed} + i, the same on both sides)")
+    print(watch.header(args.runs))
+    print("\n| path | completion tokens | wall s | completion tok/s | mean TTFT ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, results in (("in-process", locals_), ("gRPC", remotes)):
+        tokens = sorted({r.completion_tokens for r in results})
+        print(f"| {name} | {'/'.join(f'{t:,}' for t in tokens)} | {spread([r.wall_s for r in results], '{:.2f}')} | "
+              f"{spread([r.tokens_per_s for r in results])} | {spread([r.mean_ttft_ms for r in results])} |")
+    verdict = "meets" if median(overheads) < TARGET_OVERHEAD else "MISSES"
+    print(f"\ngRPC throughput cost (per round, 1 - gRPC / in-process): {spread([100 * o for o in overheads], '{:.1f}')}"
+          f" % ({verdict} the < {TARGET_OVERHEAD:.0%} target at the median); outputs identical")
+    print(watch.footer())
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ three phases of --seconds each, one after the other:
             for having more than max_model_len tokens.
 Before the fix a 15 MiB prompt was tokenized on arrival and stalled health for 12-14 s. Prints p50 / p99 / max
 per phase and how many big prompts were answered, and with which status.
+
+--runs N (default 3) rounds of the three phases, interleaved (idle 1, 15MiB 1, at-bound 1, idle 2, ...) on one
+server started once; every figure is the median [min-max] over the rounds, with the load average at start and end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,8 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 import grpc  # noqa: E402
+from report import LoadWatch, add_runs_argument, interleave, spread  # noqa: E402
 
 from appliance.client import ApplianceClient  # noqa: E402
 from appliance.config.compose import load_runtime_config  # noqa: E402
@@ -104,29 +108,39 @@ def phase(address: str, seconds: float, prompt: str | None, senders: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", default=["device=cpu", "kv_cache.num_slots_override=16"])
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     ap.add_argument("--senders", type=int, default=2, help="threads sending big prompts back to back")
+    add_runs_argument(ap)
     args = ap.parse_args()
+    watch = LoadWatch()
     rc = load_runtime_config(args.overrides)
     bound = (rc.max_model_len - 1) * load_tokenizer_for(rc.model).max_token_bytes
     with tempfile.TemporaryDirectory() as run_dir:
         proc, address = start_server(args.overrides, run_dir)
         try:
-            results = {
-                "idle": phase(address, args.seconds, None, 0),
-                "15MiB": phase(address, args.seconds, "a" * (15 << 20), args.senders),
-                "at-bound": phase(address, args.seconds, text_of_bytes(bound), args.senders),
-            }
+            results = interleave(args.runs, {
+                "idle": lambda i: phase(address, args.seconds, None, 0),
+                "15MiB": lambda i: phase(address, args.seconds, "a" * (15 << 20), args.senders),
+                "at-bound": lambda i: phase(address, args.seconds, text_of_bytes(bound), args.senders),
+            }, "bench_health")
         finally:
             proc.terminate()
             proc.wait(60)
     print(f"{rc.model.name}, max_model_len {rc.max_model_len}, byte bound {bound:,} B; {args.senders} sender(s), "
-          f"{args.seconds:g} s per phase; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-    print("| phase | health checks | p50 ms | p99 ms | max ms | big prompts answered |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        answered = ", ".join(f"{n} {code}" for code, n in sorted(r["big_prompts"].items())) or "-"
-        print(f"| {name} | {r['checks']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | {answered} |")
+          f"{args.seconds:g} s per phase; one server for every round")
+    print(watch.header(args.runs))
+    print("\n| phase | health checks | p50 ms | p99 ms | max ms | big prompts answered (all rounds) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, rounds in results.items():
+        codes: dict[str, int] = {}
+        for r in rounds:
+            for code, n in r["big_prompts"].items():
+                codes[code] = codes.get(code, 0) + n
+        answered = ", ".join(f"{n} {code}" for code, n in sorted(codes.items())) or "-"
+        print(f"| {name} | {spread([r['checks'] for r in rounds], '{:,.0f}')} | "
+              f"{spread([r['p50_ms'] for r in rounds])} | {spread([r['p99_ms'] for r in rounds])} | "
+              f"{spread([r['max_ms'] for r in rounds])} | {answered} |")
+    print(watch.footer())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ streaming /v1/completions requests from openai.AsyncOpenAI, one after the other 
 The texts are checked to be equal, so the difference is the API's cost (JSON + server-sent events vs protobuf
 over HTTP/2). Reports wall time, completion tok/s, mean TTFT and mean TPOT as the client sees them, and what
 the server's GET /metrics counted. Prints Markdown rows for BENCHMARKS.md.
+
+--runs N (default 3) rounds on the one server, interleaved: gRPC run 1, HTTP run 1, gRPC run 2, ...; round i
+uses workload seed bench.seed + i on both front ends (no round is served from an earlier round's prefix
+cache). Every figure is the median [min-max] over the rounds; the load average is printed at start and end.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -32,6 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_grpc import Result, stop_server, workload  # noqa: E402
+from report import LoadWatch, add_runs_argument, interleave, spread  # noqa: E402
 
 
 @dataclass
@@ -126,14 +130,17 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the server, e.g. +model=qwen3_tiny")
     ap.add_argument("--requests", type=int, default=None, help="concurrent requests (default bench.num_requests)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the server")
+    add_runs_argument(ap)
     args = ap.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from appliance.config.compose import load_runtime_config
+    watch = LoadWatch()
     rc = load_runtime_config(args.overrides)
     n = args.requests or rc.bench.num_requests
-    work, warmup = workload(rc, n, rc.bench.seed), workload(rc, 4, rc.bench.seed + 1)
+    works = [workload(rc, n, rc.bench.seed + i) for i in range(args.runs)]
+    warmup = workload(rc, 4, rc.bench.seed + 10_000)
 
     with tempfile.TemporaryDirectory() as tmp:
         proc, grpc_address, http_address = start_server(args.overrides, Path(tmp) / "run")
@@ -141,29 +148,41 @@ def main() -> None:
             base_url = f"http://{http_address}/v1"
             asyncio.run(grpc_streams(grpc_address, warmup, "warmup"))
             asyncio.run(openai_streams(base_url, rc.model.name, warmup, "warmup"))
-            remote = asyncio.run(grpc_streams(grpc_address, work, "gRPC (grpc.aio streams)"))
-            http = asyncio.run(openai_streams(base_url, rc.model.name, work, "HTTP (openai.AsyncOpenAI, SSE)"))
+            runs = interleave(args.runs, {
+                "gRPC (grpc.aio streams)": lambda i: asyncio.run(grpc_streams(grpc_address, works[i], "gRPC")),
+                "HTTP (openai.AsyncOpenAI, SSE)": lambda i: asyncio.run(
+                    openai_streams(base_url, rc.model.name, works[i], "HTTP")),
+            }, "bench_http")
             with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=30) as r:
                 metrics = r.read().decode()
         finally:
             stop_server(proc)
-    if http.texts != remote.texts:
-        bad = sum(a != b for a, b in zip(http.texts, remote.texts))
-        sys.exit(f"HTTP and gRPC outputs differ for {bad} of {n} requests: the timings would not compare")
+    remotes, https = runs.values()
+    for i, (remote, http) in enumerate(zip(remotes, https)):
+        if http.texts != remote.texts:
+            bad = sum(a != b for a, b in zip(http.texts, remote.texts))
+            sys.exit(f"round {i + 1}: HTTP and gRPC outputs differ for {bad} of {n} requests: the timings would "
+                     "not compare")
 
     mean = lambda xs: 1000 * sum(xs) / len(xs) if xs else float("nan")     # noqa: E731
-    print(f"\n{n} concurrent streaming requests, {remote.completion_tokens} completion tokens, model "
-          f"{rc.model.name}, {platform.machine()} x {os.cpu_count()} CPUs, OMP_NUM_THREADS "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, overrides {' '.join(args.overrides) or '-'}")
-    print("| path | wall s | completion tok/s | mean TTFT ms | mean TPOT ms |")
-    print("|---|---:|---:|---:|---:|")
-    for r in (remote, http):
-        print(f"| {r.name} | {r.wall_s:.2f} | {r.tokens_per_s:,.1f} | {mean(r.ttft_s):,.1f} | {mean(r.tpot_s):,.2f} |")
-    print(f"\nHTTP throughput vs gRPC: {http.tokens_per_s / remote.tokens_per_s - 1:+.1%}; outputs identical")
+    print(f"\n{n} concurrent streaming requests per round, model {rc.model.name}, overrides "
+          f"{' '.join(args.overrides) or '-'}; one server for both front ends and every round (round i: workload "
+          f"seed {rc.bench.seed} + i)")
+    print(watch.header(args.runs))
+    print("\n| path | completion tokens | wall s | completion tok/s | mean TTFT ms | mean TPOT ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, results in runs.items():
+        tokens = sorted({r.completion_tokens for r in results})
+        print(f"| {name} | {'/'.join(f'{t:,}' for t in tokens)} | {spread([r.wall_s for r in results], '{:.2f}')} | "
+              f"{spread([r.tokens_per_s for r in results])} | {spread([mean(r.ttft_s) for r in results])} | "
+              f"{spread([mean(r.tpot_s) for r in results], '{:,.2f}')} |")
+    relative = [100 * (h.tokens_per_s / g.tokens_per_s - 1) for g, h in zip(remotes, https)]
+    print(f"\nHTTP throughput vs gRPC (per round): {spread(relative, '{:+.1f}')} %; outputs identical")
     scraped = {m.group(1): m.group(2) for m in re.finditer(
         r"^appliance:(generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_count)\{[^}]*\} (\S+)$",
         metrics, re.M)}
-    print(f"server /metrics: {scraped}")
+    print(f"server /metrics after every round: {scraped}")
+    print(watch.footer())
 
 
 if __name__ == "__main__":

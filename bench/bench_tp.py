@@ -9,6 +9,9 @@ logits gather), timed around each call on rank 0. A collective's time includes w
 Each rank runs device.cpu_threads (default 1) intra-op threads; TP 1 is one process, TP 2 two processes sharing
 the host's cores and talking gloo over loopback TCP. On a CPU host TP 2 is not expected to be faster: the
 figures are for cost accounting (how much of a step is communication), not a speedup claim.
+
+--runs N (default 3): TP 1 run 1, TP 2 run 1, TP 1 run 2, ...; each run a fresh engine (its ranks started and
+stopped, not timed); every figure the median [min-max] over the runs, with the load average at start and end.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import LoadWatch, add_runs_argument, interleave, spread  # noqa: E402
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.engine.loop import Engine  # noqa: E402
@@ -72,26 +78,32 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    add_runs_argument(parser)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    watch = LoadWatch()
     base = ["+model=qwen3_tiny", "device=cpu", f"device.cpu_threads={args.threads}", "mode=bench",
             f"bench.num_requests={args.requests}", *SIZES[args.size], *args.overrides]
     spent: dict[str, list[float]] = defaultdict(list)
     timed(spent)
-    rows = []
-    for tp in (1, 2):
-        m = run(base + [f"device.count={tp}", f"parallel.tensor_parallel_size={tp}"], spent)
-        step_ms = 1e3 * m["elapsed_s"] / m["steps"]
-        comm_ms = {k: 1e3 * v / m["steps"] for k, v in m["comm_s"].items()}
-        rows.append((tp, m, step_ms, comm_ms))
+    runs = interleave(args.runs, {
+        f"TP {tp}": lambda i, tp=tp: run(base + [f"device.count={tp}", f"parallel.tensor_parallel_size={tp}"], spent)
+        for tp in (1, 2)}, "bench_tp")
     print(f"qwen3 {args.size}, {args.requests} requests, {args.threads} thread(s) per rank, "
           f"{' '.join(args.overrides) or 'default limits'}")
-    print(f"{'TP':>3} {'tok/s':>9} {'steps':>6} {'ms/step':>8} {'comm ms/step':>13}  breakdown (ms/step, calls/step)")
-    for tp, m, step_ms, comm_ms in rows:
-        total = sum(comm_ms.values())
-        parts = ", ".join(f"{k} {v:.3f} ({m['comm_calls'][k] / m['steps']:.0f})" for k, v in comm_ms.items() if v)
-        print(f"{tp:>3} {m['output_tokens_per_s']:>9.1f} {m['steps']:>6} {step_ms:>8.2f} {total:>8.3f} "
-              f"({100 * total / step_ms:>4.1f}%)  {parts or '-'}")
+    print(watch.header(args.runs))
+    print("\n| parallelism | tok/s | steps | ms/step | comm ms/step | comm share | breakdown: ms/step (calls/step) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for name, ms in runs.items():
+        step_ms = [1e3 * m["elapsed_s"] / m["steps"] for m in ms]
+        comm_ms = [1e3 * sum(m["comm_s"].values()) / m["steps"] for m in ms]
+        kinds = [k for k in TIMED if any(m["comm_s"].get(k) for m in ms)]
+        parts = ", ".join(f"{k} {spread([1e3 * m['comm_s'].get(k, 0) / m['steps'] for m in ms], '{:.3f}')} "
+                          f"({ms[0]['comm_calls'][k] / ms[0]['steps']:.0f})" for k in kinds)
+        print(f"| {name} | {spread([m['output_tokens_per_s'] for m in ms])} | {spread([m['steps'] for m in ms], '{:.0f}')}"
+              f" | {spread(step_ms, '{:.2f}')} | {spread(comm_ms, '{:.3f}')} | "
+              f"{spread([100 * c / s for c, s in zip(comm_ms, step_ms)])} % | {parts or '-'} |")
+    print(watch.footer())
 
 
 if __name__ == "__main__":
