@@ -38,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from peer_workers import appliance_overrides  # noqa: E402 (bench/: the script directory)
+
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.core.tokenizer import IncrementalDetokenizer  # noqa: E402
 from appliance.engine.loop import Engine  # noqa: E402
@@ -46,15 +48,6 @@ from appliance.offline import Appliance  # noqa: E402
 
 CATEGORIES = ("model", "step metadata", "schedule", "block tables", "batch build", "sampling", "kv commit",
               "detokenize", "emit", "stop rules", "stats", "loop rest")
-
-
-def appliance_overrides(model_dir: str, threads: int, num_requests: int, max_model_len: int = 1024) -> list[str]:
-    """The offline API on a checkpoint directory, sized so every request of the workload runs at once."""
-    return ["+model=hf", f"model.weights={model_dir}", "device=cpu", f"device.cpu_threads={threads}",
-            f"max_model_len={max_model_len}", f"max_num_seqs={num_requests}", f"decode_batch={num_requests}",
-            f"kv_cache.num_slots_override={num_requests}", "max_num_batched_tokens=2048",
-            f"max_waiting_requests={4 * num_requests}", "device.memory_bytes_per_device=8589934592",
-            "server.http_port=null"]
 
 
 class StepTimer:
