@@ -1,11 +1,13 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, with a seeded generator per request.
 
 Each request draws from its own torch.Generator, so a sampled output depends on the request's seed and
-its logits only, never on which other requests share the batch.
+its logits only, never on which other requests share the batch. Greedy rows only take an argmax: a batch
+of greedy rows never sorts, scales or draws.
 """
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from appliance.core.request import SamplingParams
@@ -16,6 +18,20 @@ def worst_case_rows(n: int) -> list[tuple[str, SamplingParams]]:
     generator): what the startup profile samples at the largest batch a step can produce."""
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
     return [(f"profile-{i}", params) for i in range(n)]
+
+
+# Float dtypes numpy reads straight from a CPU tensor's memory (bfloat16 has no numpy dtype).
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """The argmax of every row of [rows, vocab] logits, as host ints; the first maximal id on ties (both
+    torch's and numpy's rule). On the CPU numpy's argmax: torch's reduction along the last dim is about
+    ten times slower on [64, 32000] float32 logits (5 ms against 0.5 ms on the 2-core benchmark machine,
+    a tenth of a batch-64 decode step of the 45M-parameter benchmark model)."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
+        return numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 class Sampler:
@@ -40,7 +56,7 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> list[int]:
         """logits [len(rows), vocab] -> one token id per row."""
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_ids(logits)
         random_rows = [i for i, (_, p) in enumerate(rows) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
@@ -61,5 +77,6 @@ class Sampler:
                     generator=self._generator(rows[i][0], rows[i][1]))
                 for i in random_rows])
             choice = (probs / noise).argmax(dim=-1)
-            tokens[idx] = order.gather(1, choice[:, None]).squeeze(1)
-        return tokens.tolist()
+            for row, token in zip(random_rows, order.gather(1, choice[:, None]).squeeze(1).tolist()):
+                tokens[row] = token
+        return tokens

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
-from tests.engine.instrumented import HookedEngine, hooked_runner, loop_held
+from appliance.offline import Appliance
+from tests.engine.instrumented import HookedEngine, hooked_runner, loop_held, runner_for_engine
 
 NEW_TOKENS = 12
 
@@ -58,3 +61,36 @@ def test_pages_announced_to_a_failed_step_reach_the_next_step_that_runs():
                 assert not missing, f"{group} pages {sorted(missing)} were announced only to a step that failed"
     finally:
         engine.shutdown()
+
+
+class FailNth(dict):
+    """StepHooks.fail_from that fails the n-th request id the runner asks about (ids the test cannot know in
+    advance: the offline API names its requests), from its first token."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.seen: list[str] = []
+
+    def get(self, request_id, default=None):
+        if request_id not in self.seen:
+            self.seen.append(request_id)
+        return 0 if self.seen.index(request_id) == self.n else default
+
+
+def test_offline_generate_names_a_failed_request_after_every_request_finished():
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=128"])
+    runner = hooked_runner(rc.model)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    with runner_for_engine(runner), Appliance.from_config(rc) as app:
+        expected = app.generate(prompts, greedy)
+        runner.fail_from = FailNth(1)                 # the second prompt of the next call
+        with pytest.raises(RuntimeError, match="injected runner failure") as failure:
+            app.generate(prompts, greedy)
+        failed_id = runner.fail_from.seen[1]
+        assert failed_id in str(failure.value)
+        # generate returned only once the engine had finished every request (none left holding pages)
+        assert app.engine.num_in_flight() == 0 and app.engine.kv_free_blocks() == app.engine.kv_total_blocks()
+        assert [r.finish_reason for r in expected] == [FinishReason.LENGTH] * 3
+        assert all(len(r.token_ids) == NEW_TOKENS and r.usage.completion_tokens == NEW_TOKENS for r in expected)

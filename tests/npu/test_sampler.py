@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from appliance.core.request import SamplingParams
-from npu.sampler import Sampler
+from npu.sampler import Sampler, greedy_ids
 
 VOCAB = 64
 
@@ -40,6 +40,19 @@ def test_greedy_takes_the_argmax_of_every_row():
     expected = [max(range(VOCAB), key=lambda i: logits[r, i].item()) for r in range(9)]
     rows = [(f"g{r}", SamplingParams(temperature=0.0)) for r in range(9)]
     assert Sampler(torch.device("cpu")).sample(logits, rows) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_greedy_ids_take_the_first_maximal_id_like_torch_argmax(dtype):
+    # Coarse values make ties common (bfloat16 rounds many of them together); ties go to the first id.
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randint(-3, 4, (40, VOCAB), generator=g).to(dtype)
+    logits[0] = -math.inf
+    logits[1, 7] = logits[1, 50] = 10.0
+    expected = [next(i for i in range(VOCAB) if logits[r, i] == logits[r].max()) for r in range(40)]
+    assert greedy_ids(logits) == expected
+    assert expected[0] == 0 and expected[1] == 7
+    assert greedy_ids(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()   # a strided view
 
 
 def test_greedy_rows_mixed_with_sampled_rows_stay_greedy():
