@@ -118,13 +118,13 @@ def test_tracker_adopts_existing_tensors_once_as_resident():
 def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of():
     from npu.linear import Projection
 
-    proj = Projection.of(torch.randn(256, 64))
+    proj = Projection.of(torch.randn(16384, 512))     # large enough to be packed (npu.linear.PACKED_MAX_GROWTH)
     if proj.packed is None:
         pytest.skip("no MKL packed GEMM in this torch build")
     with AllocationTracker() as t:
         t.adopt(proj.tensors())
-        proj(torch.randn(8, 64))             # an op reading the opaque packed tensor: adopted, not an error
-    assert t.resident_bytes == 256 * 64 * 4 + proj.packed.numel() * proj.packed.element_size()
+        proj(torch.randn(8, 512))            # an op reading the opaque packed tensor: adopted, not an error
+    assert t.resident_bytes == 16384 * 512 * 4 + proj.packed.numel() * proj.packed.element_size()
 
 
 def test_cpu_backend_peak_covers_weights_and_activation_high_water(meminfo):
