@@ -30,6 +30,7 @@ import torch
 
 from appliance.core.config import DeviceSettings
 from appliance.core.errors import StartupError
+from npu.cpu_malloc import keep_freed_memory
 from npu.cpu_memory import AllocationTracker
 
 log = logging.getLogger("npu.backends")
@@ -241,6 +242,7 @@ class CpuBackend(Backend):
             # Tiny kernels lose more to thread hand-offs than they gain, and a server shares the host with
             # its clients; the operator picks the intra-op thread count (device.cpu_threads).
             torch.set_num_threads(threads)
+        keep_freed_memory()          # a step reuses the last step's pages instead of faulting in new ones
         self.memory_cap = memory_bytes_per_device
         self.meminfo_path = meminfo_path
         self._tracker: AllocationTracker | None = None

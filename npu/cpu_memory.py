@@ -59,10 +59,13 @@ class AllocationTracker(TorchDispatchMode):
     def _adopt(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu":
             return
-        s = t.untyped_storage()
-        key = s.data_ptr()
+        try:
+            s = t.untyped_storage()
+            key, nbytes = s.data_ptr(), s.nbytes()
+        except NotImplementedError:     # an opaque tensor (MKL's packed weights): its own buffer, sized by numel
+            key, nbytes = id(t), t.numel() * t.element_size()
         if key and key not in self._live and key not in self._resident:
-            self._resident[key] = s.nbytes()
+            self._resident[key] = nbytes
 
     def _allocated(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu":

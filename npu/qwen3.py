@@ -35,6 +35,7 @@ from appliance.core.archs.qwen3 import KV, held_slices, parameters
 from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
+from npu.linear import Projection
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 
@@ -44,12 +45,12 @@ log = logging.getLogger("npu.qwen3")
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor          # q_proj, k_proj, v_proj stacked: [(heads + 2 kv_heads) * head_dim, hidden]
+    qkv: Projection            # q_proj, k_proj, v_proj stacked: [(heads + 2 kv_heads) * head_dim, hidden]
     qk_norm: torch.Tensor      # [heads + kv_heads, head_dim]: q_norm for q heads, k_norm for k heads
-    o: torch.Tensor
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor      # gate_proj, up_proj stacked: [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Projection        # gate_proj, up_proj stacked: [2 * intermediate, hidden]
+    down: Projection
 
 
 class Qwen3Runner(ModelRunner):
@@ -73,7 +74,7 @@ class Qwen3Runner(ModelRunner):
         self.layers: list[_Layer] = []
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.lm_head: Projection | None = None
         self._inv_freq = 1.0 / (lay.rope_theta ** (
             torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(self.device, torch.float32) / self.head_dim))
         self._rope_table = torch.empty(0, 2, self.head_dim, device=self.device, dtype=self.dtype)
@@ -96,27 +97,28 @@ class Qwen3Runner(ModelRunner):
         """q/k/v and gate/up are fused for speed."""
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if self.model.layout.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Projection.of(self.embed if self.model.layout.tie_word_embeddings else w["lm_head.weight"])
         self.layers = []
         for i in range(self.model.layout.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(_Layer(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                qkv=Projection.of(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
                 qk_norm=torch.cat([w[a + "q_norm.weight"].expand(self.num_heads, -1),
                                    w[a + "k_norm.weight"].expand(self.num_kv_heads, -1)]),
-                o=w[a + "o_proj.weight"],
+                o=Projection.of(w[a + "o_proj.weight"]),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
-                down=w[m + "down_proj.weight"]))
+                gate_up=Projection.of(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])),
+                down=Projection.of(w[m + "down_proj.weight"])))
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the runner holds for weights (fused ones included)."""
-        out = [t for t in (self.embed, self.norm, self.lm_head) if t is not None]
+        """Every tensor the runner holds for weights (fused and packed ones included)."""
+        out = [t for t in (self.embed, self.norm) if t is not None] + ([] if self.lm_head is None else self.lm_head.tensors())
         for layer in self.layers:
-            out += [layer.input_norm, layer.qkv, layer.qk_norm, layer.o,
-                    layer.post_norm, layer.gate_up, layer.down]
+            out += [layer.input_norm, layer.qk_norm, layer.post_norm]
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                out += proj.tensors()
         return out
 
     # -- pools -------------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class Qwen3Runner(ModelRunner):
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(meta.tokens, self.embed)
         for li, layer in enumerate(self.layers):
-            qkv = F.linear(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps), layer.qkv)
+            qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps))
             # q and k heads are normalised and rotated together, back into qkv: it then holds q | k | v
             qk = qkv[:, :(nh + kvh) * hd].view(n, nh + kvh, hd)
             t = F.rms_norm(qk, (hd,), eps=self.eps).mul_(layer.qk_norm)
@@ -206,17 +208,18 @@ class Qwen3Runner(ModelRunner):
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
             else:
                 attn = self._attend(pool, li, qkv, q, meta)
-            x = x + self._summed(F.linear(attn.reshape(n, nh * hd), layer.o))
-            gate, up = F.linear(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
-            x = x + self._summed(F.linear(F.silu(gate).mul_(up), layer.down))
+            x = x + self._summed(layer.o(attn.reshape(n, nh * hd)))
+            gate, up = layer.gate_up(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)).chunk(2, -1)
+            x = x + self._summed(layer.down(F.silu(gate).mul_(up)))
         if meta.sample_index is not None:
             x = x.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-        logits = F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head)
+        # Without a gather the head's product may stay a transposed view: the float32 copy below lays it out.
+        logits = self.lm_head(F.rms_norm(x, (self.hidden,), self.norm, self.eps), contiguous=self.vocab_widths is not None)
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
-        return logits.float()
+        return logits.to(torch.float32, memory_format=torch.contiguous_format)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: this rank's partial product, summed over the tensor-parallel

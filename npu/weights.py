@@ -79,8 +79,15 @@ def non_finite_values(t: torch.Tensor) -> int:
     """How many NaN or inf values a tensor holds (0 for integer tensors and FP4, which encodes neither)."""
     if not t.is_floating_point() or t.dtype == torch.float4_e2m1fn_x2:
         return 0
+    if t.numel() == 0:
+        return 0
     if t.element_size() == 1:      # float8: isfinite has no kernel; bfloat16 holds every float8 value exactly
         t = t.to(torch.bfloat16)
+    # One reduction with no tensor-sized temporary (isfinite's bool copy is fresh memory, page-faulted on every
+    # load: it cost more than reading the checkpoint): NaN propagates into both extremes, so finite extremes
+    # mean every value is finite. The count runs only for a tensor that is refused anyway.
+    if all(torch.isfinite(v) for v in torch.aminmax(t)):
+        return 0
     return int(t.numel() - torch.isfinite(t).sum().item())
 
 

@@ -115,6 +115,18 @@ def test_tracker_adopts_existing_tensors_once_as_resident():
     assert t.peak_bytes == MiB + MiB + 4     # weights + y + the 4-byte sum
 
 
+def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of():
+    from npu.linear import Projection
+
+    proj = Projection.of(torch.randn(16384, 512))     # large enough to be packed (npu.linear.PACKED_MAX_GROWTH)
+    if proj.packed is None:
+        pytest.skip("no MKL packed GEMM in this torch build")
+    with AllocationTracker() as t:
+        t.adopt(proj.tensors())
+        proj(torch.randn(8, 512))            # an op reading the opaque packed tensor: adopted, not an error
+    assert t.resident_bytes == 16384 * 512 * 4 + proj.packed.numel() * proj.packed.element_size()
+
+
 def test_cpu_backend_peak_covers_weights_and_activation_high_water(meminfo):
     backend = CpuBackend(memory_bytes_per_device=GiB, meminfo_path=meminfo)
     w = torch.randn(256, 256)                                       # 256 KiB "weights"
