@@ -1,0 +1,60 @@
+"""The planner's per-group rows, its config adapter and the retry sizing at their edges (written against the
+mutants docs/TESTING.md lists: each asserts a figure the startup table or the launcher's retry relies on)."""
+
+import pytest
+
+from appliance.config.compose import load_runtime_config
+from appliance.core.planner import DeviceMemory, plan_capacity, plan_for_config, slots_that_fit
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def dsv4():
+    return load_runtime_config(["+model=dsv4", "max_model_len=8192"])
+
+
+def plan(specs, devices, **kw):
+    return plan_capacity(specs, devices, **{"utilization": 0.9, "decode_batch": 8, "max_model_len": 8192,
+                                            "block_size": 128, **kw})
+
+
+def test_each_group_row_describes_its_spec_and_its_share_of_the_budget(dsv4):
+    specs = dsv4.model.cache_groups
+    p = plan(specs, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)])
+    assert [g.name for g in p.groups] == [s.name for s in specs]
+    for g, s in zip(p.groups, specs):
+        assert (g.history, g.num_layers, g.rows_per_block, g.page_size_bytes, g.max_blocks_per_seq) == (
+            s.history, len(s.layer_ids), s.rows_per_block, s.page_size_bytes, s.max_blocks_per_seq)
+        assert g.share_of_budget == pytest.approx(g.num_blocks * s.page_size_bytes / p.budget_bytes)
+        assert p.group(s.name) is g
+    assert {g.history for g in p.groups} == {"full", "ring"}       # both kinds are checked above
+    # The shares add up to the KV cache's part of the budget; scratch and the unused rest make up the remainder.
+    assert sum(g.share_of_budget for g in p.groups) == pytest.approx(p.kv_cache_bytes / p.budget_bytes)
+    assert p.kv_cache_bytes + p.scratch_bytes + p.unused_bytes == p.budget_bytes
+    assert p.to_dict()["groups"][0]["num_blocks"] == p.groups[0].num_blocks
+
+
+def test_plan_for_config_applies_the_configured_kv_cache_memory(dsv4):
+    rc = load_runtime_config(["+model=dsv4", "max_model_len=8192", f"kv_cache.kv_cache_memory_bytes={8 * GiB}"])
+    p = plan_for_config(rc, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)])
+    assert p.budget_bytes == 8 * GiB and p.override == f"kv_cache_memory_bytes={8 * GiB}"
+    assert p.capacity_slots == (8 * GiB - p.scratch_bytes) // p.bytes_per_slot
+
+
+def test_a_retry_counts_no_activations_once_the_weights_hold_the_whole_peak(dsv4):
+    """held >= peak_non_kv: nothing is still to come, so free memory of exactly margin + scratch + k slots fits
+    exactly k slots (one byte less would fit k - 1)."""
+    margin = GiB
+    devs = [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB, margin)]
+    p = plan(dsv4.model.cache_groups, devs)
+    exact = margin + p.scratch_bytes + 3 * p.bytes_per_slot
+    assert slots_that_fit(p, devs, [exact], [20 * GiB]) == 3
+    assert slots_that_fit(p, devs, [exact], [25 * GiB]) == 3
+    assert slots_that_fit(p, devs, [exact - 1], [20 * GiB]) == 2
+
+
+def test_an_unexplained_failure_of_a_small_plan_gives_back_exactly_one_slot(dsv4):
+    devs = [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)]
+    p = plan(dsv4.model.cache_groups, devs, num_slots_override=5)
+    assert slots_that_fit(p, devs, [64 * GiB], [0]) == 4
