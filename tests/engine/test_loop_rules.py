@@ -1,0 +1,69 @@
+"""Stop-string matching and hold-back of the real engine at their edges (appliance/engine/loop.py `_append`),
+written against the mutants docs/TESTING.md lists. The model is the scripted runner of test_stop_rules.py,
+so the text is known; expected figures come from the tokenizer's plain decode and str.find.
+
+- A stop string whose last character is the first character of a new delta (its start lies as far back as
+  a new match can start) still ends the request there.
+- Streaming holds back at most (longest stop string - 1) characters: anything further back can no longer
+  become part of a stop string, so it must have been streamed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from appliance.core.request import FinishReason, SamplingParams
+from tests.engine.test_stop_rules import TEXT, engine, generate, pieces  # noqa: F401 - engine is a fixture
+
+
+def delta_boundaries(tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text starts in the decoded text."""
+    return [0, *itertools.accumulate(len(p) for p in pieces(tokenizer, ids))][:-1]
+
+
+def test_a_stop_string_completed_by_the_first_character_of_a_delta_ends_the_request(engine):  # noqa: F811
+    tok = engine.tokenizer
+    ids = tok.encode(TEXT)
+    text, parts, starts = tok.decode(ids), pieces(tok, ids), delta_boundaries(tok, ids)
+    # Two characters straddling a delta boundary, found nowhere earlier in the text.
+    i = next(i for i in range(1, len(ids)) if parts[i - 1] and parts[i]
+             and text.find(parts[i - 1][-1] + parts[i][0]) == starts[i] - 1)
+    stop = parts[i - 1][-1] + parts[i][0]
+    deltas = generate(engine, ids, SamplingParams(max_tokens=len(ids), stop=(stop,)))
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert "".join(d.new_text for d in deltas) == text[:starts[i] - 1]
+    assert [t for d in deltas for t in d.new_token_ids] == ids[:i + 1]
+
+
+@pytest.mark.parametrize("stop", [("zebra",), ("q", "zebra!!"), ("Z",)])
+def test_streaming_holds_back_no_more_than_a_stop_string_could_still_need(engine, stop):  # noqa: F811
+    tok = engine.tokenizer
+    ids = tok.encode(TEXT)
+    text = tok.decode(ids)
+    assert not any(s in text for s in stop)
+    hold = max(len(s) for s in stop) - 1
+    deltas = generate(engine, ids, SamplingParams(max_tokens=len(ids), stop=stop))
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+    streamed = ""
+    for n, delta in enumerate(deltas[:-1], start=1):
+        streamed += delta.new_text
+        so_far = tok.decode(ids[:n])
+        assert so_far.startswith(streamed)
+        assert len(streamed) >= len(so_far) - hold, (n, streamed, so_far)
+    assert streamed + deltas[-1].new_text == text
+
+
+def test_the_earliest_of_two_overlapping_matches_in_one_window_is_the_cut(engine):  # noqa: F811
+    """'o' then 'oo': the text ends 'ooo' and the stop string 'oo' occurs at both of the last two offsets; the
+    text is cut before the first."""
+    tok = engine.tokenizer
+    texts = {i: tok.decode([i]) for i in range(tok.vocab_size)}
+    doubled = next(i for i, t in texts.items() if len(t) >= 2 and t[0] == t[1] and t[0].isalpha())
+    c = texts[doubled][0]
+    before = next(i for i, t in texts.items() if len(t) >= 2 and t.endswith(c) and c not in t[:-1]
+                  and pieces(tok, [i, doubled]) == [t, texts[doubled]])
+    deltas = generate(engine, [before, doubled], SamplingParams(max_tokens=2, stop=(c + c,)))
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert "".join(d.new_text for d in deltas) == texts[before][:-1]
