@@ -108,6 +108,9 @@ def test_request_id_is_checked_before_sampling_and_sampling_before_the_prompt():
     (dataclasses.replace(OK, top_p=1.5), "1.5", "(0, 1]"),
     (dataclasses.replace(OK, top_k=-3), "-3", ">= 0"),
     (dataclasses.replace(OK, stop=("s",) * (MAX_STOP_STRINGS + 1)), f"{MAX_STOP_STRINGS + 1}", f"{MAX_STOP_STRINGS}"),
+    (dataclasses.replace(OK, stop=("s", "")), "", "must not be empty"),
+    (dataclasses.replace(OK, stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))), f"{MAX_STOP_TOKEN_IDS + 1}",
+     f"at most {MAX_STOP_TOKEN_IDS}"),
     (dataclasses.replace(OK, stop=("s" * (MAX_STOP_STRING_CHARS + 1),)), f"{MAX_STOP_STRING_CHARS + 1}",
      f"{MAX_STOP_STRING_CHARS}"),
     (dataclasses.replace(OK, stop_token_ids=(LIMITS.vocab_size + 7,)), f"{LIMITS.vocab_size + 7}",
@@ -118,3 +121,65 @@ def test_a_refusal_quotes_the_value_given_and_the_rule_it_breaks(params, value, 
         check(params=params)
     message = str(info.value).removeprefix(f"{info.value.field}: ")
     assert value in message and rule in message
+
+
+class UnencodableText(str):
+    """A prompt whose UTF-8 encoding fails the test: validate_request must decide on its length alone."""
+
+    def encode(self, *args, **kwargs):
+        raise AssertionError("the text was encoded")
+
+
+def test_text_longer_in_characters_than_the_byte_bound_is_refused_without_encoding_it():
+    with pytest.raises(RequestError, match=f"{LIMITS.max_prompt_bytes + 1:,} bytes of text") as info:
+        validate_request("r", UnencodableText("a" * (LIMITS.max_prompt_bytes + 1)), OK, LIMITS, tokens_per_char)
+    assert info.value.field == "prompt"
+    message = str(info.value)
+    assert f"{LIMITS.max_model_len - 1} tokens x {LIMITS.max_token_bytes} bytes" in message
+    assert f"max_model_len {LIMITS.max_model_len}" in message
+
+
+def test_text_exactly_at_the_byte_bound_in_characters_is_still_measured_in_bytes():
+    with pytest.raises(RequestError, match=f"{2 * LIMITS.max_prompt_bytes:,} bytes of text"):
+        check(prompt="\u00e9" * LIMITS.max_prompt_bytes)
+
+
+def test_empty_text_is_refused_naming_the_prompt_before_it_is_tokenized():
+    def never_called(text: str) -> list[int]:
+        raise AssertionError("the prompt was tokenized")
+
+    with pytest.raises(RequestError) as info:
+        validate_request("r", "", OK, LIMITS, never_called)
+    assert info.value.field == "prompt" and "must not be empty" in str(info.value)
+    with pytest.raises(RequestError) as info:
+        validate_request("r", "text", OK, LIMITS, lambda text: [])
+    assert info.value.field == "prompt" and "must not be empty" in str(info.value)
+
+
+@pytest.mark.parametrize("request_id, words", [
+    ("", "must not be empty"),
+    ("r" * (MAX_REQUEST_ID_CHARS + 2), f"has {MAX_REQUEST_ID_CHARS + 2} characters; at most {MAX_REQUEST_ID_CHARS}"),
+    ("caf\u00e9\t", "must be printable ASCII (0x20-0x7e); it contains ['\\t', '\u00e9']"),
+])
+def test_a_refused_request_id_says_why(request_id, words):
+    with pytest.raises(RequestError) as info:
+        check(request_id=request_id)
+    assert info.value.field == "request_id" and words in str(info.value)
+
+
+def test_a_refusal_lists_at_most_five_offending_values():
+    ids = tuple(range(LIMITS.vocab_size, LIMITS.vocab_size + 7))
+    for kw in (dict(params=dataclasses.replace(OK, stop_token_ids=ids)), dict(prompt=list(ids))):
+        with pytest.raises(RequestError) as info:
+            check(**kw)
+        assert f"token ids {list(ids[:5])} are outside the vocabulary [0, {LIMITS.vocab_size})" in str(info.value)
+    with pytest.raises(RequestError) as info:
+        check(request_id="\x01\x02\x03\x04\x05\x06")
+    assert "it contains ['\\x01', '\\x02', '\\x03', '\\x04', '\\x05']" in str(info.value)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_names_all_three_numbers():
+    with pytest.raises(RequestError) as info:
+        check(prompt=[1] * 60, params=dataclasses.replace(OK, max_tokens=5))
+    assert info.value.field == "sampling.max_tokens"
+    assert "prompt (60 tokens) + max_tokens (5) exceeds max_model_len 64" in str(info.value)
