@@ -44,7 +44,7 @@ mutation-request:
 mutation-sampler:
 	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SAMPLER_TESTS)" $(MUTMUT) 'npu.sampler.*'
 mutation-loop:       # the stop rules and the step around them, not startup or the thread plumbing
-	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(LOOP_TESTS)" $(MUTMUT) 'appliance.engine.loop.xǁEngineǁ_append__*' \
+	MUTATION_TIMEOUT_S=45 MUTATION_TESTS="$(LOOP_TESTS)" $(MUTMUT) 'appliance.engine.loop.xǁEngineǁ_append__*' \
 		'appliance.engine.loop.xǁEngineǁ_finish__*' 'appliance.engine.loop.xǁEngineǁ_execute__*' \
 		'appliance.engine.loop.xǁEngineǁ_run_step__*'
 mutation-scheduler:
