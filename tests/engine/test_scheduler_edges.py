@@ -54,3 +54,27 @@ def test_removing_a_running_request_frees_its_pages_and_finishes_it():
     d.sched.remove(seq)
     assert seq.status is SeqStatus.FINISHED and not d.sched.has_work()
     assert d.kv.num_free_blocks() == 16 and not d.kv.has_request(seq.request_id)
+
+
+def test_one_token_prompts_are_decode_rows_and_admission_stops_at_decode_batch():
+    d = Driver(blocks=16, decode_batch=2, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    seqs = [d.add([11 + i], 3) for i in range(3)]
+    assert [item.seq for item in d.step()] == seqs[:2]
+    assert list(d.sched.waiting) == seqs[2:]
+
+
+def test_the_last_token_of_the_budget_admits_a_one_token_prompt():
+    d = Driver(blocks=16, decode_batch=2, max_num_seqs=4, max_num_batched_tokens=17, enable_prefix_caching=False)
+    long, short = d.add([4] * 16, 3), d.add([5], 3)
+    assert [(item.seq, item.num_new_tokens) for item in d.step()] == [(long, 16), (short, 1)]
+
+
+def test_the_waiting_head_is_not_looked_up_while_running_requests_use_the_whole_budget():
+    """A prefix-cache query counts in the hit rate (/metrics); a step with no budget left must not make one."""
+    d = Driver(blocks=32, decode_batch=2, max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=True)
+    d.add([8] * 100, 3)
+    d.step()
+    d.add([9] * 8, 3)
+    for _ in range(2):                          # [32, 64) and [64, 96) take the whole budget
+        assert [item.num_new_tokens for item in d.step()] == [32]
+    assert d.kv.prefix_stats.queries == 1
