@@ -56,7 +56,8 @@ def result_status(exc: StartupError) -> str:
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run one job; in a multirun a bad point is returned as a result with its reason instead of exiting.
 
-    Modes are imported only when chosen: validate and plan never load torch.
+    Modes are imported only when chosen: validate and plan never load torch. Under torchrun (serve, bench) the
+    process of RANK 0 is the owner and runs the mode; every other rank executes the owner's steps (npu.worker).
     """
     out = _output_dir()
     try:
@@ -68,6 +69,15 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         if rc.mode == "plan":
             from appliance.modes.plan import run_plan
             return run_plan(rc, out, quiet=_is_multirun())
+        if rc.mode in ("serve", "bench"):
+            from npu.ranks import Rendezvous
+            rdv = Rendezvous.from_environment()
+            if rdv is not None and rdv.rank != 0:      # under torchrun: not the owner, one of its ranks
+                from npu.worker import run_rank
+                status = run_rank(rc, rdv)
+                if status:
+                    sys.exit(status)
+                return {"status": "ok", "mode": rc.mode, "rank": rdv.rank}
         if rc.mode == "bench":
             from appliance.modes.bench import run_bench
             return run_bench(rc, out)

@@ -105,47 +105,56 @@ class Backend(ABC):
 # -- accelerators (npu, cuda) -------------------------------------------------------------------------
 
 class AcceleratorBackend(Backend):
-    """Shared by npu and cuda: torch.npu mirrors torch.cuda's memory API."""
+    """Shared by npu and cuda: torch.npu mirrors torch.cuda's memory API.
 
-    def __init__(self, module: Any, count: int, memory_bytes_per_device: int | None = None):
+    `first` is the physical index of this backend's device 0: a rank process uses one device, its local rank
+    on its host, and names and touches only that one."""
+
+    def __init__(self, module: Any, count: int, memory_bytes_per_device: int | None = None, first: int = 0):
         super().__init__(count)
         self.mod = module
+        self.first = first
         self.memory_cap = memory_bytes_per_device
         self._non_torch_base = [self._non_torch_now(i) for i in range(count)]
         if memory_bytes_per_device is not None:
             for i in range(count):
-                physical = self.mod.mem_get_info(i)[1]
+                physical = self.mod.mem_get_info(self.first + i)[1]
                 if memory_bytes_per_device > physical:
                     raise BackendUnavailableError(
                         f"device.memory_bytes_per_device {memory_bytes_per_device:,} exceeds {self.device_name(i)}'s "
                         f"physical memory {physical:,}")
 
+    def device_name(self, index: int) -> str:
+        return f"{self.kind}:{self.first + index}"
+
     def torch_device(self, index: int = 0) -> torch.device:
-        return torch.device(self.kind, index)
+        return torch.device(self.kind, self.first + index)
 
     def _non_torch_now(self, index: int) -> int:
-        free, total = self.mod.mem_get_info(index)
-        return (total - free) - self.mod.memory_reserved(index)
+        free, total = self.mod.mem_get_info(self.first + index)
+        return (total - free) - self.mod.memory_reserved(self.first + index)
 
     def memory(self, index: int = 0) -> MemoryStats:
         self._indices(index)
-        free, total = self.mod.mem_get_info(index)
+        physical = self.first + index
+        free, total = self.mod.mem_get_info(physical)
         if self.memory_cap is not None:
             total, free = self.memory_cap, min(free, self.memory_cap)
         grown = max(0, self._non_torch_now(index) - self._non_torch_base[index])
-        return MemoryStats(total, free, self.mod.max_memory_allocated(index), grown, self.mod.memory_allocated(index))
+        return MemoryStats(total, free, self.mod.max_memory_allocated(physical), grown,
+                           self.mod.memory_allocated(physical))
 
     def reset_peak(self, index: int | None = None) -> None:
         for i in self._indices(index):
-            self.mod.reset_peak_memory_stats(i)
+            self.mod.reset_peak_memory_stats(self.first + i)
 
     def synchronize(self, index: int | None = None) -> None:
         for i in self._indices(index):
-            self.mod.synchronize(i)
+            self.mod.synchronize(self.first + i)
 
     def set_device(self, index: int) -> None:
         self._indices(index)
-        self.mod.set_device(index)
+        self.mod.set_device(self.first + index)
 
     def empty_cache(self) -> None:
         self.mod.empty_cache()
@@ -154,13 +163,14 @@ class AcceleratorBackend(Backend):
 class CudaBackend(AcceleratorBackend):
     kind = "cuda"
 
-    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
+    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None, first: int = 0):
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
             raise BackendUnavailableError(f"device.kind=cuda but torch.cuda.is_available() is False (torch "
                                           f"{torch.__version__} is {build}). Fix: install a CUDA build of torch on a "
                                           f"host with an NVIDIA GPU and driver, or use device=auto or device=cpu")
-        super().__init__(torch.cuda, _resolve_count("cuda", count, torch.cuda.device_count()), memory_bytes_per_device)
+        super().__init__(torch.cuda, _resolve_count("cuda", count, torch.cuda.device_count(), first),
+                         memory_bytes_per_device, first)
 
 
 def import_torch_npu() -> Any:
@@ -180,18 +190,22 @@ def import_torch_npu() -> Any:
 class NpuBackend(AcceleratorBackend):
     kind = "npu"
 
-    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None):
+    def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None, first: int = 0):
         mod = import_torch_npu()
         if not mod.is_available():
             raise BackendUnavailableError("torch_npu is installed but no NPU is visible (torch.npu.is_available() "
                                           "is False): check the driver, ASCEND_RT_VISIBLE_DEVICES and npu-smi")
-        super().__init__(mod, _resolve_count("npu", count, mod.device_count()), memory_bytes_per_device)
+        super().__init__(mod, _resolve_count("npu", count, mod.device_count(), first), memory_bytes_per_device, first)
 
 
-def _resolve_count(kind: str, wanted: int | None, visible: int) -> int:
-    """device.count, checked against what is visible; null means one device (never every visible one)."""
+def _resolve_count(kind: str, wanted: int | None, visible: int, first: int = 0) -> int:
+    """device.count, checked against what is visible; null means one device (never every visible one). A rank
+    process opens one device, `first` (its local rank), which must be visible."""
     if visible < 1:
         raise BackendUnavailableError(f"no {kind} device is visible")
+    if first >= visible:
+        raise BackendUnavailableError(f"this rank uses {kind}:{first} (its local rank) but only {visible} {kind} "
+                                      f"device(s) are visible on this host: run at most {visible} ranks per host")
     if wanted is None:
         return 1
     if wanted > visible:
@@ -285,16 +299,18 @@ def _npu_visible() -> tuple[bool, str]:
     return (n > 0), (f"{n} NPU(s) visible" if n else "torch_npu is installed but no NPU is visible")
 
 
-def select_backend(device: DeviceSettings) -> Backend:
-    """The backend for rc.device: an explicit kind, or auto = npu, then cuda, then cpu (logged with why)."""
+def select_backend(device: DeviceSettings, first: int = 0) -> Backend:
+    """The backend for rc.device: an explicit kind, or auto = npu, then cuda, then cpu (logged with why).
+
+    `first`: the physical index of its device 0 on this host (a rank's local rank; the host CPU has one)."""
     kind, count, cap = device.kind, device.count, device.memory_bytes_per_device
     if device.offline:
         raise BackendUnavailableError("this device profile is an offline planning profile (device.offline=true); "
                                       "it can only be used with mode=plan or mode=validate")
     if kind == "npu":
-        return NpuBackend(count, cap)
+        return NpuBackend(count, cap, first)
     if kind == "cuda":
-        return CudaBackend(count, cap)
+        return CudaBackend(count, cap, first)
     if kind == "cpu":
         return CpuBackend(count, cap, threads=device.cpu_threads)
     if kind != "auto":
@@ -302,11 +318,11 @@ def select_backend(device: DeviceSettings) -> Backend:
     npu_ok, npu_why = _npu_visible()
     if npu_ok:
         log.info("device=auto chose npu: %s", npu_why)
-        return NpuBackend(count, cap)
+        return NpuBackend(count, cap, first)
     cuda_n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cuda_n:
         log.info("device=auto chose cuda: %s; %d CUDA device(s) visible", npu_why, cuda_n)
-        return CudaBackend(count, cap)
+        return CudaBackend(count, cap, first)
     cuda_why = "torch.cuda.is_available() is False" if torch.version.cuda else "torch is a CPU-only build"
     cpu_cap = cap if cap is not None else device.cpu_memory_bytes
     log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,

@@ -28,17 +28,18 @@ import zlib
 import torch
 
 from appliance.core.archs.deepseek_v4 import STATE_GROUPS, compress_ratios
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, model_weights, scale_name
+from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
+from appliance.core.parallel import RankPlace
 from npu.dsv4.attention import Attention, rms_norm
 from npu.dsv4.hyper import hc_head, hc_post, hc_pre
-from npu.dsv4.moe import route, routed_experts, swiglu
+from npu.dsv4.moe import exchange_experts, route, routed_experts, swiglu
 from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan
 from npu.dsv4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
-from npu.step import SeqStep, StepBatch
+from npu.step import StepBatch
 from npu.weights import is_norm_weight
 
 Held = torch.Tensor | QuantizedWeight
@@ -47,8 +48,8 @@ Held = torch.Tensor | QuantizedWeight
 class DeepseekV4Runner(ModelRunner):
     """DeepSeek V4 over paged caches: sliding window (ori), CSA (cmp_c{small}, idx) and HCA (cmp_c{large})."""
 
-    def __init__(self, model: ModelSpec, device: torch.device | str):
-        super().__init__(model, torch.device(device))
+    def __init__(self, model: ModelSpec, device: torch.device | str, place: RankPlace | None = None):
+        super().__init__(model, torch.device(device), place)
         lay = model.layout
         self.ratios = model.main_layer_ratios
         self.csa_ratio, self.hca_ratio = compress_ratios(lay)
@@ -68,6 +69,11 @@ class DeepseekV4Runner(ModelRunner):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {t.name: (t.shape, getattr(torch, t.dtype)) for t in checkpoint_tensors(self.model.layout)}
 
+    def held_weights(self) -> dict[str, None]:
+        """Expert parallel: the replicated weights and this rank's routed experts, each whole."""
+        lay = self.model.layout
+        return {t.name: None for w in rank_weights(lay, self.place) for t in stored_tensors(w, lay)}
+
     def random_weights(self, seed: int, std: float = 0.02, device: torch.device | str | None = None
                        ) -> dict[str, torch.Tensor]:
         """Seeded random weights whose hash-routing tables name distinct valid experts per token."""
@@ -84,7 +90,7 @@ class DeepseekV4Runner(ModelRunner):
         """Hold quantized matrices as QuantizedWeight (values + scales), norm gains and float32 tensors in
         float32, routing tables as indices, everything else as loaded (the compute dtype)."""
         lay, held = self.model.layout, {}
-        for w in model_weights(lay):
+        for w in rank_weights(lay, self.place):
             t = weights[w.name]
             if w.format in ("fp8", "fp4"):
                 scale = weights[scale_name(w.name)]
@@ -100,20 +106,35 @@ class DeepseekV4Runner(ModelRunner):
                 held[w.name] = t
         self.params = held
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [t for w in self.params.values()
+                for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
+
     def weight(self, name: str) -> torch.Tensor:
         """A weight for the math: quantized matrices dequantized to the compute dtype now, others as held."""
         w = self.params[name]
         return w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w
 
     # -- model -------------------------------------------------------------------------------------
-    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool) -> torch.Tensor:
+        """Routed experts plus the shared one. worst_case (a profiling step): every token routes to the same
+        num_experts_per_tok experts, the routing whose expert activations are largest (an expert computes
+        all N tokens at once; a uniform routing gives each about N k / num_experts)."""
         lay, w, p = self.model.layout, self.weight, f"layers.{layer}.ffn."
         hashed = layer < lay.num_hash_layers
+        table, ids = (w(p + "gate.tid2eid"), token_ids) if hashed else (None, None)
+        if worst_case:
+            table = torch.arange(lay.num_experts_per_tok, device=x.device)[None]
+            ids = torch.zeros_like(token_ids)
         weights, experts = route(x, w(p + "gate.weight"), lay.scoring_func, lay.num_experts_per_tok,
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
-                                 table=w(p + "gate.tid2eid") if hashed else None, token_ids=token_ids)
+                                 table=table, token_ids=ids)
         expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
-        routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
+        if self.expert_parallel is None:
+            routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
+        else:
+            routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
+                                      lay.num_experts)
         shared = swiglu(x, *(w(f"{p}shared_experts.{n}.weight") for n in ("w1", "w3", "w2")), lay.swiglu_limit)
         return routed + shared
 
@@ -122,13 +143,14 @@ class DeepseekV4Runner(ModelRunner):
         return hc_pre(streams, self.weight(prefix + "_fn"), self.weight(prefix + "_base"),
                       self.weight(prefix + "_scale"), lay.hc_sinkhorn_iters, lay.hc_eps, lay.rms_norm_eps)
 
-    def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation]) -> torch.Tensor:
+    def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation],
+               worst_case: bool) -> torch.Tensor:
         p, eps = f"layers.{layer}.", self.model.layout.rms_norm_eps
         post, comb, x = self._hc(p + "hc_attn", streams)
         out = self.attention(layer, rms_norm(x, self.weight(p + "attn_norm.weight"), eps), plan, rot)
         streams = hc_post(out, streams, post, comb)
         post, comb, x = self._hc(p + "hc_ffn", streams)
-        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids)
+        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids, worst_case)
         return hc_post(out, streams, post, comb)
 
     # -- steps -------------------------------------------------------------------------------------
@@ -142,6 +164,8 @@ class DeepseekV4Runner(ModelRunner):
                 self.zero_pages(name, batch.new_pages[name])
         lay = self.model.layout
         if not batch.seqs:
+            if self.expert_parallel is not None:
+                self._serve_experts_only()
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         plan = build_plan(self.model, batch, list(self.kinds.values()), self.device)
         with torch.no_grad():
@@ -149,23 +173,18 @@ class DeepseekV4Runner(ModelRunner):
             streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
             rot = self.attention.rotations(plan)
             for layer in range(len(self.ratios)):
-                streams = self._block(layer, streams, plan, rot)
+                streams = self._block(layer, streams, plan, rot, batch.worst_case)
             last = hc_head(streams[plan.sample_index], self.weight("hc_head_fn"), self.weight("hc_head_base"),
                            self.weight("hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
             last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
             head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
             return torch.nn.functional.linear(last, head).float()
 
-    def profile_batch(self, max_num_tokens: int, max_num_seqs: int) -> StepBatch:
-        """The largest step: chunks of up to tokens_in_flight tokens ending at the longest sequence
-        length, so every key set is at its largest; all pages are scratch pages (contents don't matter)."""
-        if not self.pools or self.num_scratch < 1:
-            raise RuntimeError("profile_batch needs pools with at least one scratch page (allocate_pools first)")
-        tif = self.model.layout.tokens_in_flight
-        max_len = max(s.max_blocks_per_seq * s.tokens_per_page for s in self.model.cache_groups if not s.is_ring)
-        seqs = []
-        for j, n in enumerate(self.profile_lengths(max_num_tokens, max_num_seqs, tif)):
-            tables = {s.name: [self.scratch_page(s.name, j % self.num_scratch)] * s.max_blocks_per_seq
-                      for s in self.model.cache_groups}
-            seqs.append(SeqStep(f"profile-{j}", [0] * n, max_len - n, tables))
-        return StepBatch(seqs)
+    @torch.no_grad()
+    def _serve_experts_only(self) -> None:
+        """A step with no sequences on this rank: its routed experts still serve the other ranks' tokens, so it
+        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep)."""
+        x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
+        no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        for layer in range(len(self.ratios)):
+            self._moe(layer, x, no_tokens, worst_case=False)

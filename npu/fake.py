@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from appliance.core.config import ModelSpec
+from appliance.core.parallel import RankPlace
 from npu.backends import Backend, MemoryStats
 from npu.runner import ModelRunner
 from npu.step import StepBatch
@@ -71,8 +72,9 @@ class ShapeOnlyRunner(ModelRunner):
     max_pool_bytes simulates a device whose allocator refuses pools larger than that (retry tests).
     """
 
-    def __init__(self, model: ModelSpec, device: torch.device | str = "meta", max_pool_bytes: int | None = None):
-        super().__init__(model, torch.device(device))
+    def __init__(self, model: ModelSpec, device: torch.device | str = "meta", max_pool_bytes: int | None = None,
+                 place: RankPlace | None = None):
+        super().__init__(model, torch.device(device), place)
         self.max_pool_bytes = max_pool_bytes
         self.allocation_attempts: list[dict[str, int]] = []
 
@@ -85,10 +87,13 @@ class ShapeOnlyRunner(ModelRunner):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         pass
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def allocate_pools(self, num_blocks, num_scratch: int) -> None:
         self.allocation_attempts.append(dict(num_blocks))
         if self.max_pool_bytes is not None:
-            need = sum((num_blocks[s.name] + num_scratch) * s.page_size_bytes for s in self.model.cache_groups)
+            need = sum((num_blocks[s.name] + num_scratch) * s.page_size_bytes for s in self.cache_specs)
             if need > self.max_pool_bytes:
                 self.free_pools()
                 raise RuntimeError(f"simulated out of memory: pools need {need:,} B, the device gives "

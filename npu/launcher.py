@@ -26,18 +26,21 @@ are tested on a CPU without allocating anything.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
+from appliance.core.archs import rank_cache_groups
 from appliance.core.config import RuntimeConfig
 from appliance.core.estimate import estimate_peak_non_kv
 from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
+from appliance.core.parallel import RankPlace
 from appliance.core.planner import (
     CapacityPlan,
     DeviceMemory,
@@ -55,8 +58,15 @@ from npu.backends import Backend, MemoryStats, select_backend
 from npu.registry import build_runner
 from npu.runner import ModelRunner
 from npu.sampler import Sampler, worst_case_rows
+from npu.weights import check_checkpoint_tensors
+
+if TYPE_CHECKING:
+    from npu.ranks import RankGroup
 
 log = logging.getLogger("npu.launcher")
+
+T = TypeVar("T")
+Phase = Callable[[str, Callable[[], T]], T]     # runs one startup phase (alone, or agreed by every rank)
 
 # The device (of the backend's count) the runner lives on; every other configured device is planned as an
 # identical data-parallel replica. Threads that run the runner make it their current device.
@@ -85,11 +95,12 @@ def probe_devices(backend: Backend) -> list[MemoryStats]:
     return [backend.memory(i) for i in range(backend.count)]
 
 
-def check_free_memory_at_start(rc: RuntimeConfig, backend: Backend) -> list[MemoryStats]:
+def check_free_memory_at_start(rc: RuntimeConfig, backend: Backend, place: RankPlace | None = None
+                               ) -> list[MemoryStats]:
     """Fail fast, before any weight is loaded, when a device has less free memory than total x utilization."""
     stats = probe_devices(backend)
-    check_free_memory([DeviceMemory(backend.device_name(i), s.total_bytes, s.free_bytes, 0)
-                       for i, s in enumerate(stats)], rc.npu_memory_utilization)
+    check_free_memory([DeviceMemory(rank_device_name(backend, i, place or RankPlace.single()), s.total_bytes,
+                                    s.free_bytes, 0) for i, s in enumerate(stats)], rc.npu_memory_utilization)
     return stats
 
 
@@ -110,19 +121,30 @@ def profile_worst_steps(runner: ModelRunner, limits: StepLimits) -> tuple[str, .
     return tuple(ran)
 
 
-def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner,
-            at_start: Sequence[MemoryStats]) -> Measurement:
+def run_alone(name: str, fn: Callable[[], T]) -> T:
+    """A startup phase of a one-process deployment: nobody to agree with."""
+    return fn()
+
+
+def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, at_start: Sequence[MemoryStats],
+            phase: Phase = run_alone) -> Measurement:
     """Load weights, run the worst steps on scratch pages, and turn each device's probe into a DeviceMemory
     (with its total and free memory from `at_start`, before anything was loaded).
 
-    The runner lives on RUNNER_DEVICE; every device hosts a replica (a data-parallel rank), so a device's
-    peak_non_kv is the larger of its own probe and the runner device's.
+    The runner lives on RUNNER_DEVICE; any other device of this backend hosts a replica (a data-parallel rank
+    planned alike), so a device's peak_non_kv is the larger of its own probe and the runner device's. With
+    several ranks each process has one device and measures its own; `phase` runs loading and profiling as
+    phases every rank agrees on (npu.ranks.RankGroup.phase).
     """
     log.info("[1/4] loading weights: %s", rc.model.weights_label)
-    t0 = time.perf_counter()
-    runner.load_weights()
-    backend.synchronize()
-    load_s = time.perf_counter() - t0
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        runner.load_weights()
+        backend.synchronize()
+        return time.perf_counter() - t0
+
+    load_s = phase("loading weights", load)
     log.info("weights loaded in %.2f s (%s)", load_s, rc.model.weights_label)
 
     runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, rc.decode_batch)
@@ -130,24 +152,29 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner,
     limits = step_limits(rc)
     log.info("[2/4] profiling the heaviest steps the scheduler can issue (budget %d tokens, %d sequences) and "
              "the sampler, to measure peak memory", limits.max_tokens, limits.max_seqs)
-    t0 = time.perf_counter()
-    try:
-        backend.reset_peak()
-        with torch.inference_mode(), backend.tracking() as tracker:
-            if tracker is not None:
-                tracker.adopt(runner.pools.values())
-            ran = profile_worst_steps(runner, limits)
-            backend.synchronize()
-        stats = probe_devices(backend)
-    finally:
-        runner.free_pools()
-    profile_s = time.perf_counter() - t0
+
+    def profile() -> tuple[tuple[str, ...], list[MemoryStats], float]:
+        t0 = time.perf_counter()
+        try:
+            backend.reset_peak()
+            with torch.inference_mode(), backend.tracking() as tracker:
+                if tracker is not None:     # every weight is resident, also those no profiled step reads
+                    tracker.adopt([*runner.pools.values(), *runner.weight_tensors()])
+                ran = profile_worst_steps(runner, limits)
+                backend.synchronize()
+            stats = probe_devices(backend)
+        finally:
+            runner.free_pools()
+        return ran, stats, time.perf_counter() - t0
+
+    ran, stats, profile_s = phase("profiling", profile)
     ref = stats[RUNNER_DEVICE].peak_allocated_bytes + stats[RUNNER_DEVICE].non_torch_bytes
     margin = non_torch_margin(rc.device, backend.kind)
     devices = []
     for i, (start, s) in enumerate(zip(at_start, stats)):
         peak = max(s.peak_allocated_bytes + s.non_torch_bytes, ref) - scratch
-        devices.append(DeviceMemory(backend.device_name(i), start.total_bytes, start.free_bytes, max(0, peak), margin))
+        devices.append(DeviceMemory(rank_device_name(backend, i, runner.place), start.total_bytes, start.free_bytes,
+                                    max(0, peak), margin))
     log.info("profiled %d steps in %.2f s: peak non-KV %s", len(ran), profile_s,
              ", ".join(f"{d.name} {d.peak_non_kv_bytes:,} B" for d in devices[:4]) + (" ..." if len(devices) > 4 else ""))
     return Measurement(tuple(devices), tuple(s.peak_allocated_bytes for s in stats),
@@ -184,18 +211,22 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             plan = plan_for_config(rc, devices, num_slots_override=slots)
 
 
-def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
-    """Fail at once, before any weight is materialized, when a device cannot hold the model at all.
+def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | None = None) -> None:
+    """Fail at once, before any weight is materialized, when a device cannot hold its rank's shard at all.
 
-    Each device needs the model's weights plus the least KV cache the planner accepts (decode_batch scratch
-    pages and one capacity slot) within total x npu_memory_utilization. The weights are estimated from
-    model.layout by the estimate mode=plan uses (appliance.core.estimate); each device holds a full copy
-    (the runner is not sharded, so one shard is the whole model). Activations are not guessed here: the
-    profiling step measures them right after loading (mode=plan's plan.activation_allowance_bytes, sized
-    for NPU-scale models, would refuse the embedded tiny model on its 1 GiB CPU budget).
+    Each device needs its rank's shard of the weights plus the least KV cache the planner accepts
+    (decode_batch scratch pages and one capacity slot, at the rank's page bytes) within total x
+    npu_memory_utilization. The shard is estimated from model.layout by the estimate mode=plan uses
+    (appliance.core.estimate: the architecture's description of what a rank loads). Activations are not
+    guessed here: the profiling step measures them right after loading (mode=plan's
+    plan.activation_allowance_bytes, sized for NPU-scale models, would refuse the embedded tiny model on its
+    1 GiB CPU budget).
     """
-    specs = rc.model.cache_groups
-    weights = estimate_peak_non_kv(rc.model, 1, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    place = place or RankPlace.single()
+    specs = rank_cache_groups(rc.model, place)
+    weights = estimate_peak_non_kv(rc.model, place, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    shard = ("a full copy on each device" if place.world == 1 else
+             f"rank {place.rank}'s shard: {place.describe()}")
     kv_floor = scratch_bytes(specs, rc.decode_batch) + bytes_per_slot(specs)
     need = weights + kv_floor
     u = rc.npu_memory_utilization
@@ -211,50 +242,96 @@ def check_weights_fit(rc: RuntimeConfig, backend: Backend) -> None:
                     f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
                     if rc.device.kind == "auto" and backend.kind == "cpu" else "")
         raise InsufficientMemoryError(
-            f"{rc.model.name} does not fit on device {backend.device_name(i)}{fallback}; nothing was loaded:\n"
+            f"{rc.model.name} does not fit on device {rank_device_name(backend, i, place)}{fallback}; nothing was "
+            f"loaded:\n"
             f"  total x npu_memory_utilization  {format_bytes(total)} x {u} = {format_bytes(usable)}\n"
             f"  estimated weights               {format_bytes(weights)} (from model.layout, as mode=plan "
-            f"estimates them; a full copy on each device)\n"
+            f"estimates them; {shard})\n"
             f"  least KV cache                  {format_bytes(kv_floor)} ({rc.decode_batch} scratch pages + one "
             f"slot at max_model_len {rc.max_model_len})\n"
             f"  shortfall                       {format_bytes(need - usable)}\n"
             f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / u))} each (device=npu, "
-            f"device=cuda), plan the deployment offline first with the same overrides plus mode=plan "
-            f"device=ascend_a3, or pick a smaller model (e.g. +model=dsv4_tiny)")
+            f"device=cuda), spread it over more devices (device.count and parallel.*: smaller shards), plan the "
+            f"deployment offline first with the same overrides plus mode=plan device=ascend_a3, or pick a smaller "
+            f"model (e.g. +model=dsv4_tiny)")
 
 
-def open_backend(rc: RuntimeConfig) -> Backend:
-    """The backend for rc.device (device=auto says which it chose and why), checked to hold the weights."""
-    backend = select_backend(rc.device)
-    check_weights_fit(rc, backend)
+def rank_device_name(backend: Backend, index: int, place: RankPlace) -> str:
+    """`npu:3`, or `npu:3 (rank 11)` when there are several ranks: reports and errors say which rank it is."""
+    name = backend.device_name(index)
+    return name if place.world == 1 else f"{name} (rank {place.rank})"
+
+
+def open_backend(rc: RuntimeConfig, place: RankPlace | None = None, local_index: int = 0) -> Backend:
+    """The backend for rc.device (device=auto says which it chose and why), checked to hold the weights.
+
+    With several ranks each process opens only its own device, `local_index` on this host."""
+    place = place or RankPlace.single()
+    device = rc.device if place.world == 1 else dataclasses.replace(rc.device, count=1)
+    backend = select_backend(device, local_index)
+    check_weights_fit(rc, backend, place)
     return backend
 
 
-def launch(rc: RuntimeConfig, backend: Backend | None = None,
-           runner: ModelRunner | None = None) -> tuple[ModelRunner, StartupReport]:
+def prepare_rank(rc: RuntimeConfig, place: RankPlace | None = None, local_index: int = 0
+                 ) -> tuple[Backend, ModelRunner]:
+    """The device plane's checks before anything is loaded, for one rank: its backend (whose device can hold its
+    shard: check_weights_fit), the runner of its shard without weights, and the checkpoint's tensor names and
+    shapes against what the runner expects (headers only)."""
+    place = place or RankPlace.single()
+    backend = open_backend(rc, place, local_index)
+    runner = build_runner(rc.model, backend.torch_device(RUNNER_DEVICE), place)
+    if rc.model.weights != "random":
+        check_checkpoint_tensors(rc.model.weights, runner.expected_weights())
+    return backend, runner
+
+
+def launch(rc: RuntimeConfig, backend: Backend | None = None, runner: ModelRunner | None = None,
+           group: RankGroup | None = None) -> tuple[ModelRunner, StartupReport]:
     """The startup sequence; InsufficientMemoryError (naming the device) propagates before any pool exists.
 
-    A backend passed in has been opened by the caller (open_backend, or a fake one for tests).
+    A backend passed in has been opened by the caller (open_backend, or a fake one for tests). With several
+    ranks, every rank runs this with its `group`: each loads its shard, profiles its own worst steps and
+    probes its own device; one collective gives every rank every rank's memory, so all of them plan from the
+    same numbers (the minimum budget wins) and allocate the same blocks per group.
     """
-    backend = backend or open_backend(rc)
+    place = group.place if group is not None else RankPlace.single()
+    phase: Phase = group.phase if group is not None else run_alone
+    backend = backend or open_backend(rc, place)
     backend.set_device(RUNNER_DEVICE)
-    at_start = check_free_memory_at_start(rc, backend)
-    runner = runner or build_runner(rc.model, backend.torch_device(RUNNER_DEVICE))
-    log.info("starting %s (%s) on %d x %s", rc.model.name, rc.model.arch, backend.count, backend.kind)
-    m = measure(rc, backend, runner, at_start)
-    log.info("[3/4] planning the KV cache from %d device(s)' measured memory", len(m.devices))
-    plan = plan_for_config(rc, m.devices)
+    at_start = phase("free memory check", lambda: check_free_memory_at_start(rc, backend, place))
+    runner = runner or build_runner(rc.model, backend.torch_device(RUNNER_DEVICE), place)
+    if group is not None:
+        runner.use_collectives(group.tensor, group.expert)
+    log.info("starting %s (%s) on %d x %s%s", rc.model.name, rc.model.arch, backend.count, backend.kind,
+             "" if group is None else f" as {place.describe()}")
+    m = measure(rc, backend, runner, at_start, phase)
+    devices = m.devices if group is None else tuple(
+        d for rank_devices in group.all_gather("planning", m.devices) for d in rank_devices)
+    log.info("[3/4] planning the KV cache from %d device(s)' measured memory", len(devices))
+    plan = plan_for_config(rc, devices)
     log.info("[4/4] allocating %d slots (%s of KV cache per device)", plan.capacity_slots,
              human_bytes(plan.kv_cache_bytes))
     t0 = time.perf_counter()
-    plan, retries = allocate(rc, backend, runner, plan, m.devices)
+    plan, retries = phase("allocating", lambda: allocate(rc, backend, runner, plan, devices))
+    if group is not None:
+        slots = group.all_gather("allocating", plan.capacity_slots)
+        if len(set(slots)) > 1:                # a rank had to shrink: every rank re-allocates the fewest slots
+            log.warning("ranks allocated %s slots; every rank re-allocates %d", slots, min(slots))
+            plan = plan_for_config(rc, devices, num_slots_override=min(slots))
+            plan, _ = phase("re-allocating", lambda: allocate(rc, backend, runner, plan, devices))
+            retries += 1
     alloc_s = time.perf_counter() - t0
     notes = [
         "profiled on scratch pages: " + "; ".join(m.profiled_steps),
         f"peak_non_kv = probe peak allocated + non-torch growth - scratch pools ({m.scratch_pool_bytes:,} B); "
-        f"{backend.device_name(RUNNER_DEVICE)} measured {m.peak_allocated_bytes[RUNNER_DEVICE]:,} B allocated at peak",
+        f"{m.devices[RUNNER_DEVICE].name} measured {m.peak_allocated_bytes[RUNNER_DEVICE]:,} B allocated at peak",
     ]
-    if backend.count > 1:
+    if group is not None:
+        notes.append(f"{place.world} ranks (tensor {place.tensor} x data {place.data}, expert {place.expert}): each "
+                     f"loaded its shard, profiled its own steps and probed its own device; every rank allocated "
+                     f"the blocks of the limiting device {plan.limiting_device}")
+    elif backend.count > 1:
         notes.append(f"the runner was profiled on {backend.device_name(RUNNER_DEVICE)}; each device is planned with "
                      "at least that peak (identical data-parallel replicas)")
     if retries:
@@ -263,7 +340,7 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None,
     log.info("allocated %d slots (%s) in %.2f s", plan.capacity_slots,
              ", ".join(f"{g.name}={g.num_blocks}" for g in plan.groups), alloc_s)
     report = StartupReport(
-        model_name=rc.model.name, arch=rc.model.arch, device_kind=backend.kind, device_count=backend.count,
+        model_name=rc.model.name, arch=rc.model.arch, device_kind=backend.kind, device_count=len(devices),
         plan=plan, resolved_config_yaml=rc.resolved_yaml, weights=rc.model.weights_label,
         load_seconds=m.load_seconds, profile_seconds=m.profile_seconds, allocate_seconds=alloc_s,
         allocation_retries=retries, notes=tuple(notes))

@@ -31,8 +31,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.qwen3 import KV
+from appliance.core.archs.qwen3 import KV, held_slices, parameters
 from appliance.core.config import ModelSpec
+from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
@@ -54,13 +55,18 @@ class _Layer:
 class Qwen3Runner(ModelRunner):
     """Qwen3ForCausalLM (dense) on paged KV; logits of the last token of each sampled sequence."""
 
-    def __init__(self, model: ModelSpec, device: torch.device | str):
-        super().__init__(model, torch.device(device))
+    def __init__(self, model: ModelSpec, device: torch.device | str, place: RankPlace | None = None):
+        super().__init__(model, torch.device(device), place)
         lay = model.layout
-        self.spec = model.group(KV)
         self.dtype: torch.dtype = getattr(torch, lay.dtype)
         self.hidden = lay.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        # Tensor parallel: this rank's heads and kv heads (appliance.core.archs.qwen3.parameters says how every
+        # weight is divided); the vocab-parallel head's column widths per rank, None when every rank has all.
+        tp = self.place.tensor
+        self.num_heads, self.num_kv_heads, self.head_dim = lay.num_heads // tp, lay.num_kv_heads // tp, lay.head_dim
+        head_divided = tp > 1 and not lay.tie_word_embeddings
+        self.vocab_widths = [b - a for a, b in (split(lay.vocab_size, tp, i) for i in range(tp))] \
+            if head_divided else None
         self.group_size = self.num_heads // self.num_kv_heads
         self.block_size = lay.block_size
         self.eps = lay.rms_norm_eps
@@ -81,28 +87,10 @@ class Qwen3Runner(ModelRunner):
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        lay, dt = self.model.layout, self.dtype
-        h, hd, inter = lay.hidden_size, lay.head_dim, lay.intermediate_size
-        q, kv = lay.num_heads * hd, lay.num_kv_heads * hd
-        out = {"model.embed_tokens.weight": ((lay.vocab_size, h), dt), "model.norm.weight": ((h,), dt)}
-        if not lay.tie_word_embeddings:
-            out["lm_head.weight"] = ((lay.vocab_size, h), dt)
-        for i in range(lay.num_layers):
-            p = f"model.layers.{i}."
-            out.update({
-                p + "input_layernorm.weight": ((h,), dt),
-                p + "self_attn.q_proj.weight": ((q, h), dt),
-                p + "self_attn.k_proj.weight": ((kv, h), dt),
-                p + "self_attn.v_proj.weight": ((kv, h), dt),
-                p + "self_attn.o_proj.weight": ((h, q), dt),
-                p + "self_attn.q_norm.weight": ((hd,), dt),
-                p + "self_attn.k_norm.weight": ((hd,), dt),
-                p + "post_attention_layernorm.weight": ((h,), dt),
-                p + "mlp.gate_proj.weight": ((inter, h), dt),
-                p + "mlp.up_proj.weight": ((inter, h), dt),
-                p + "mlp.down_proj.weight": ((h, inter), dt),
-            })
-        return out
+        return {name: (shape, self.dtype) for name, shape, _ in parameters(self.model.layout)}
+
+    def held_weights(self) -> dict[str, TensorSlice | None]:
+        return held_slices(self.model.layout, self.place)
 
     def install_weights(self, w: dict[str, torch.Tensor]) -> None:
         """q/k/v and gate/up are fused for speed."""
@@ -189,6 +177,8 @@ class Qwen3Runner(ModelRunner):
             raise RuntimeError("Qwen3Runner.execute before load_weights()/set_weights()")
         if KV not in self.pools:
             raise RuntimeError("Qwen3Runner.execute before allocate_pools()")
+        if self.place.tensor > 1 and self.tensor_parallel is None:
+            raise RuntimeError("Qwen3Runner.execute on a tensor-parallel rank before use_collectives()")
         if not batch.seqs:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
         pool = self.pools[KV]
@@ -216,14 +206,22 @@ class Qwen3Runner(ModelRunner):
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
             else:
                 attn = self._attend(pool, li, qkv, q, meta)
-            x = x + F.linear(attn.reshape(n, nh * hd), layer.o)
+            x = x + self._summed(F.linear(attn.reshape(n, nh * hd), layer.o))
             gate, up = F.linear(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate).mul_(up), layer.down)
+            x = x + self._summed(F.linear(F.silu(gate).mul_(up), layer.down))
         if meta.sample_index is not None:
             x = x.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-        return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
+        logits = F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head)
+        if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
+            logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
+        return logits.float()
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: this rank's partial product, summed over the tensor-parallel
+        ranks (one all-reduce; nothing to sum in a one-process deployment)."""
+        return partial if self.tensor_parallel is None else self.tensor_parallel.all_reduce(partial)
 
     def _attend(self, pool: torch.Tensor, li: int, qkv: torch.Tensor, q: torch.Tensor, meta: _StepMeta) -> torch.Tensor:
         """Attention of every row of the flat batch over layer li with SDPA: [n, heads, head_dim]."""

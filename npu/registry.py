@@ -8,6 +8,7 @@ import torch
 
 from appliance.core.archs import architecture
 from appliance.core.config import ModelSpec
+from appliance.core.parallel import RankPlace
 from npu.runner import ModelRunner
 
 
@@ -21,5 +22,6 @@ def runner_class(arch: str) -> type[ModelRunner]:
         raise RuntimeError(f"the runner for model.arch={arch!r} ({target}) is not available: {exc}") from exc
 
 
-def build_runner(model: ModelSpec, device: torch.device) -> ModelRunner:
-    return runner_class(model.arch)(model, device)
+def build_runner(model: ModelSpec, device: torch.device, place: RankPlace | None = None) -> ModelRunner:
+    """The runner of model.arch on `device`, holding the part of the model the rank at `place` holds (None: all)."""
+    return runner_class(model.arch)(model, device, place=place)

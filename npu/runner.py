@@ -18,14 +18,16 @@ from typing import Mapping
 
 import torch
 
-from appliance.core.archs import check_model
+from appliance.core.archs import check_model, rank_cache_groups
 from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 from appliance.core.kv_cache_spec import CacheGroupSpec
+from appliance.core.parallel import RankPlace, TensorSlice
 from appliance.core.step_limits import StepShape
+from npu.collectives import Collective
 from npu.step import SeqStep, StepBatch
-from npu.weights import as_expected_dtype, load_state_dict, random_state_dict
+from npu.weights import as_expected_dtype, held_shapes, load_state_dict, random_state_dict
 
 
 def contiguous_runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -40,41 +42,60 @@ def contiguous_runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 class ModelRunner(ABC):
-    """One model on one device: weights, pools, and a batched step over paged caches."""
+    """One model on one device: weights, pools, and a batched step over paged caches.
 
-    def __init__(self, model: ModelSpec, device: torch.device):
+    With several ranks a runner is one rank's part of the model (`place`): it loads only the tensors (or
+    slices) that rank holds (held_weights), its pools hold the cache groups as that rank stores them
+    (cache_specs: tensor parallel keeps only its kv heads), and its steps call the collectives of its
+    tensor- and expert-parallel groups (use_collectives; None in a one-process deployment)."""
+
+    def __init__(self, model: ModelSpec, device: torch.device, place: RankPlace | None = None):
         check_model(model)           # ConfigError naming the key path when the model breaks its arch's rules
         self.model = model
         self.device = device
+        self.place = place or RankPlace.single()
+        self.cache_specs = rank_cache_groups(model, self.place)
+        self.tensor_parallel: Collective | None = None
+        self.expert_parallel: Collective | None = None
         self.pools: dict[str, torch.Tensor] = {}
         self.num_blocks: dict[str, int] = {}
         self.num_scratch = 0
+
+    def use_collectives(self, tensor: Collective | None, expert: Collective | None) -> None:
+        """The collectives of this rank's tensor- and expert-parallel groups (set once the ranks have joined)."""
+        self.tensor_parallel, self.expert_parallel = tensor, expert
 
     # -- weights -----------------------------------------------------------------------------------
     @abstractmethod
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every parameter the model needs: name -> (shape, dtype). Checkpoints are checked against it."""
 
+    def held_weights(self) -> dict[str, TensorSlice | None]:
+        """The checkpoint tensors this rank holds, each whole (None) or its slice: one process holds them all."""
+        return dict.fromkeys(self.expected_weights())
+
     def load_weights(self) -> None:
         """Load model.weights (a checkpoint directory, its config.json checked first) or make seeded random
-        weights ("random"), then set them."""
+        weights ("random"), then set them: this rank's tensors only, each read at its slice."""
         if self.model.weights == "random":
             state = self.random_weights(self.model.weights_seed)
         else:
             check_checkpoint_config(self.model.weights, self.model)
-            state = load_state_dict(self.model.weights, self.expected_weights(), self.device)
+            state = load_state_dict(self.model.weights, self.expected_weights(), self.device, held=self.held_weights())
         self.set_weights(state)
 
     def random_weights(self, seed: int, std: float = 0.02, device: torch.device | str | None = None
                        ) -> dict[str, torch.Tensor]:
-        """Seeded random expected_weights() (on `device`, default the runner's): what `weights: random` serves
-        and what tiny checkpoints hold. Runners override it where a tensor needs more than random values."""
-        return random_state_dict(self.expected_weights(), seed, device or self.device, std)
+        """Seeded random weights of this rank (on `device`, default the runner's): what `weights: random` serves
+        and what tiny checkpoints hold. Each tensor's values depend only on its name and the seed, so a rank's
+        slice equals the same part of one process's tensor. Runners override it where a tensor needs more than
+        random values."""
+        return random_state_dict(self.expected_weights(), seed, device or self.device, std, held=self.held_weights())
 
     def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Use these weights: exactly expected_weights() by name and shape (any float dtype is cast; the bytes of
-        a quantized format stored as uint8 are reinterpreted, see npu.weights.as_expected_dtype)."""
-        expected = self.expected_weights()
+        """Use these weights: exactly the tensors this rank holds, by name and held shape (any float dtype is cast;
+        the bytes of a quantized format stored as uint8 are reinterpreted, see npu.weights.as_expected_dtype)."""
+        expected = held_shapes(self.expected_weights(), self.held_weights())
         missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or extra:
             raise CheckpointError(f"weights for {self.model.name!r}: missing {missing}, unexpected {extra}")
@@ -87,6 +108,11 @@ class ModelRunner(ABC):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hold checked weights (on the device, in their expected dtypes) the way the math wants them."""
 
+    @abstractmethod
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the runner holds for weights. The CPU's allocation tracker counts them as resident
+        during the profile: a step reads only some of them (an MoE's unpicked experts), a device holds all."""
+
     # -- pools -------------------------------------------------------------------------------------
     def pool_dtype(self, spec: CacheGroupSpec) -> torch.dtype:
         return getattr(torch, spec.row_dtype)
@@ -95,7 +121,7 @@ class ModelRunner(ABC):
         """Allocate every group's pool: num_blocks[group] pages plus num_scratch scratch pages at the end."""
         self.free_pools()
         try:
-            for spec in self.model.cache_groups:
+            for spec in self.cache_specs:
                 pages = num_blocks[spec.name] + num_scratch
                 self.pools[spec.name] = torch.zeros(
                     (spec.num_layers, pages, spec.rows_per_block, self.row_elements(spec)),
@@ -116,6 +142,10 @@ class ModelRunner(ABC):
         self.pools.clear()
         self.num_blocks = {}
 
+    def shutdown(self) -> None:
+        """Serving ended: give the pools back."""
+        self.free_pools()
+
     def scratch_page(self, group: str, row: int) -> int:
         """Scratch page of a padding row: padding rows write there, never into a real page."""
         return self.num_blocks[group] + row
@@ -134,24 +164,15 @@ class ModelRunner(ABC):
     def scratch_batch(self, step: StepShape) -> StepBatch:
         """`step` (one of appliance.core.step_limits.worst_steps) as a batch whose every page is a scratch page:
         the profile computes at full size, and no real page is read or written. Ring groups get their
-        max_blocks_per_seq slots, full-history groups one page per logical page up to the sequence's end."""
+        max_blocks_per_seq slots, full-history groups one page per logical page up to the sequence's end.
+        The batch is marked worst_case: data-dependent paths (MoE routing) take their heaviest branch."""
         if self.num_scratch < 1:
             raise RuntimeError("scratch_batch needs scratch pages: allocate_pools(..., num_scratch >= 1) first")
         seqs = []
         for i, s in enumerate(step.seqs):
             tables = {}
-            for spec in self.model.cache_groups:
+            for spec in self.cache_specs:
                 pages = spec.max_blocks_per_seq if spec.is_ring else -(-s.end // spec.tokens_per_page)
                 tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
             seqs.append(SeqStep(f"{step.name}-{i}", [0] * s.num_tokens, s.start_pos, tables))
-        return StepBatch(seqs)
-
-    @staticmethod
-    def profile_lengths(max_num_tokens: int, max_num_seqs: int, per_seq_cap: int) -> list[int]:
-        """Chunk lengths of deepseek_v4's own profile_batch (until that runner moves to scratch_batch over
-        worst_steps, which the launcher already uses): up to max_num_tokens tokens over min(max_num_seqs,
-        tokens) sequences, as even as possible, none longer than per_seq_cap; empty sequences are dropped."""
-        num_seqs = max(1, min(max_num_seqs, max_num_tokens))
-        total = min(max_num_tokens, num_seqs * per_seq_cap)
-        lengths = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
-        return [n for n in lengths if n]
+        return StepBatch(seqs, worst_case=True)

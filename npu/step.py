@@ -25,3 +25,6 @@ class StepBatch:
     # Pages (per group) that received a new logical page since the previous step. The runner zeroes
     # those of state groups before use, clearing contiguous runs of page ids in one copy each.
     new_pages: dict[str, list[int]] = field(default_factory=dict)
+    # A startup profiling step (ModelRunner.scratch_batch): the runner takes the heaviest branch of every
+    # data-dependent choice (an MoE routes every token to the same experts), so its peak bounds real steps.
+    worst_case: bool = False

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from appliance.core.checkpoint_files import TensorHeader, read_tensor_headers
 from appliance.core.errors import CheckpointError
+from appliance.core.parallel import TensorSlice
 
 log = logging.getLogger("npu.weights")
 
@@ -83,14 +84,29 @@ def non_finite_values(t: torch.Tensor) -> int:
     return int(t.numel() - torch.isfinite(t).sum().item())
 
 
+def held_shapes(expected: Expected, held: Mapping[str, TensorSlice | None]) -> Expected:
+    """The tensors a rank holds at the shapes it holds them (its slice of a divided one)."""
+    return {name: (tuple(expected[name][0]) if part is None else part.shape_of(tuple(expected[name][0])),
+                   expected[name][1]) for name, part in held.items()}
+
+
+def shard(t: torch.Tensor, part: TensorSlice | None) -> torch.Tensor:
+    """The part of `t` a rank holds (a copy: the whole tensor is not kept alive by a view), or `t` itself."""
+    return t if part is None else t.narrow(part.dim, part.start, part.stop - part.start).clone()
+
+
 def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torch.device | str,
-                    progress: bool = True) -> dict[str, torch.Tensor]:
+                    progress: bool = True, held: Mapping[str, TensorSlice | None] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """Every expected tensor from the directory's safetensors files, cast to its expected dtype, on `device`.
 
     Names and shapes of every file are checked first (headers only), so a bad checkpoint fails before
     any data is read, with one error listing every problem. Then tensors are read one at a time and cast to
     their target dtype on the device, so at most one tensor exists in its stored dtype at a time; a tensor
     holding NaN or inf (after the cast: an fp32 value too large for fp16 becomes inf) is refused by name.
+
+    `held` (a rank's share: name -> None for the whole tensor or the slice it holds) reads only those tensors,
+    and of a sliced one only its slice; the others belong to other ranks, which check their own.
     """
     from safetensors import safe_open
 
@@ -101,14 +117,20 @@ def load_state_dict(checkpoint_dir: str | Path, expected: Expected, device: torc
                               + "\n".join(wrong) + "\nFix: store FP4 experts as F4 (or their bytes as U8), "
                               "two values per byte, low nibble first")
     device = torch.device(device)
+    held = dict.fromkeys(expected) if held is None else held
     out: dict[str, torch.Tensor] = {}
     files = sorted({h.file for h in headers.values()})
-    bar = progress_bar(len(expected), "loading weights", progress)
+    bar = progress_bar(len(held), "loading weights", progress)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if name not in held:
+                    continue
+                part = held[name]
+                raw = f.get_tensor(name) if part is None else \
+                    f.get_slice(name)[(slice(None),) * part.dim + (slice(part.start, part.stop),)]
                 # copy=True: never keep a view of the memory-mapped file (it is closed after this block).
-                t = as_expected_dtype(f.get_tensor(name), expected[name][1]).to(device=device, copy=True)
+                t = as_expected_dtype(raw, expected[name][1]).to(device=device, copy=True)
                 bad = non_finite_values(t)
                 if bad:
                     raise CheckpointError(
@@ -158,22 +180,28 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, expect
 
 
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
-                      std: float = 0.02, progress: bool = True) -> dict[str, torch.Tensor]:
+                      std: float = 0.02, progress: bool = True,
+                      held: Mapping[str, TensorSlice | None] | None = None) -> dict[str, torch.Tensor]:
     """Seeded normal(0, std) weights; norm gains 1, norm biases and integer tensors 0; quantized formats get
     random values with scales of about std. On the meta device: shapes and dtypes only, no memory.
 
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
-    other tensors the model has or the order they are listed in. Tensors are made one at a time in their
-    target dtype (float8 ones through bfloat16, which randn supports) and moved to the device at once, so
-    the host never holds more than one tensor beyond the ones already placed: never a float32 copy of a model.
+    other tensors the model has or the order they are listed in (nor on which rank makes it: `held`, a
+    rank's share as in load_state_dict, makes only those tensors and keeps only its slice). Tensors are made
+    one at a time in their target dtype (float8 ones through bfloat16, which randn supports), sliced and moved
+    to the device at once, so the host never holds more than one tensor beyond the ones already placed: never
+    a float32 copy of a model.
     """
     device = torch.device(device)
+    held = dict.fromkeys(expected) if held is None else held
     if device.type == "meta":
-        return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in expected.items()}
+        return {name: torch.empty(shape, dtype=dtype, device=device)
+                for name, (shape, dtype) in held_shapes(expected, held).items()}
     out: dict[str, torch.Tensor] = {}
-    bar = progress_bar(len(expected), "making random weights", progress)
-    for name, (shape, dtype) in sorted(expected.items()):
+    bar = progress_bar(len(held), "making random weights", progress)
+    for name in sorted(held):
+        shape, dtype = expected[name]
         bar.update(1)
-        out[name] = _random_tensor(name, tuple(shape), dtype, expected, seed, std).to(device)
+        out[name] = shard(_random_tensor(name, tuple(shape), dtype, expected, seed, std), held[name]).to(device)
     bar.close()
     return out

@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
-from appliance.core.archs import ARCHITECTURES, architecture
+from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
 from appliance.core.config import (
     BenchSettings,
     DeviceSettings,
@@ -26,6 +26,7 @@ from appliance.core.config import (
     Layout,
     LoggingSettings,
     ModelSpec,
+    ParallelSettings,
     PlanSettings,
     RuntimeConfig,
     ServerSettings,
@@ -175,7 +176,6 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         raise ConfigError(checker.issues)
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["server"].update(host=unbracketed(plain["server"]["host"]), auth_token=auth_token)
-    hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
     model = plain["model"]
     spec = ModelSpec(
         name=model["name"], arch=model["arch"], layout=freeze(Layout, model["layout"]),
@@ -183,12 +183,18 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         weights_seed=model["weights_seed"],
     )
     arch_issues = architecture(spec.arch).validate(spec)
-    if arch_issues:
-        raise ConfigError(arch_issues)
+    parallel, parallel_issues = resolve_model_parallel(spec, freeze(ParallelSettings, plain["parallel"]),
+                                                       plain["device"]["count"])
+    if arch_issues or parallel_issues:
+        raise ConfigError(arch_issues + parallel_issues)
+    plain["parallel"].update(data_parallel_size=parallel.data_parallel_size,
+                             expert_parallel_size=parallel.expert_parallel_size)    # resolved, as reports show it
+    hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
     return RuntimeConfig(
         mode=cfg.mode,
         model=spec,
         device=freeze(DeviceSettings, plain["device"]),
+        parallel=parallel,
         server=freeze(ServerSettings, plain["server"]),
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
         plan=freeze(PlanSettings, plain["plan"]),

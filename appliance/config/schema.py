@@ -106,6 +106,14 @@ class DeviceConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None     # null: device.count / tensor_parallel_size
+    expert_parallel_size: Optional[int] = None   # null: gcd(world size, num_experts) for an arch with experts, else 1
+    startup_timeout_s: float = MISSING           # the rendezvous and every startup collective wait at most this
+
+
+@dataclass
 class ServerConfig:
     host: str = MISSING
     port: int = MISSING
@@ -162,6 +170,7 @@ class ApplianceConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     device: DeviceConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = MISSING
     model: Optional[ModelConfig] = None
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)

@@ -96,6 +96,17 @@ class ServerSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelSettings:
+    """Ranks (one process per device). The composer resolves the nulls (appliance.core.parallel), so a composed
+    RuntimeConfig always holds integers here."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int | None = None      # null: device.count / tensor_parallel_size
+    expert_parallel_size: int | None = None    # null: gcd(world size, num_experts) for an arch with experts, else 1
+    startup_timeout_s: float                   # the rendezvous and every startup collective wait at most this
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingSettings:
     format: str = "text"                   # text (human-readable) | json (one object per line)
     level: str = "INFO"
@@ -164,6 +175,7 @@ class RuntimeConfig:
     mode: str
     model: ModelSpec
     device: DeviceSettings
+    parallel: ParallelSettings
     server: ServerSettings
     kv_cache: KvCacheSettings
     plan: PlanSettings

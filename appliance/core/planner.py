@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from appliance.core.archs import rank_cache_groups
 from appliance.core.config import DeviceSettings, RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
+from appliance.core.parallel import place_of
 from appliance.core.units import human_bytes
 
 
@@ -83,8 +85,9 @@ class CapacityPlan:
     kv_cache_bytes: int        # capacity_slots x bytes_per_slot
     unused_bytes: int          # budget - scratch - kv_cache_bytes; always < bytes_per_slot unless overridden
     kv_tokens_per_device: int  # capacity_slots x max_model_len
-    max_concurrency: int       # capacity_slots x devices (each device is a data-parallel rank with its own pools)
+    max_concurrency: int       # capacity_slots x data_parallel_size (each data-parallel rank has its own pools)
     override: str | None       # "kv_cache_memory_bytes=..." or "num_slots_override=..." when pinned
+    data_parallel_size: int = 1   # ranks with their own sequences and pools
 
     def group(self, name: str) -> GroupPlan:
         return next(g for g in self.groups if g.name == name)
@@ -163,8 +166,13 @@ def plan_capacity(
     block_size: int,
     kv_cache_memory_bytes: int | None = None,
     num_slots_override: int | None = None,
+    data_parallel_size: int = 1,
 ) -> CapacityPlan:
-    """Size every group from the most constrained device; fail fast with what to change."""
+    """Size every group from the most constrained device; fail fast with what to change.
+
+    `devices` are the ranks' devices (every rank allocates the same blocks per group: the minimum budget
+    wins); `specs` the cache groups as one rank stores them. Sequences are spread over data_parallel_size
+    ranks, each with its own pools; tensor-parallel ranks of one data-parallel rank share its sequences."""
     if not devices:
         raise ValueError("plan_capacity needs at least one device")
     if not 0 < utilization <= 1:
@@ -226,7 +234,7 @@ def plan_capacity(
         limiting_device=limiting.name, budget_bytes=limit_budget, scratch_bytes=scratch, bytes_per_slot=slot,
         capacity_slots=slots, groups=_group_plans(specs, slots, limit_budget), kv_cache_bytes=kv_bytes,
         unused_bytes=limit_budget - scratch - kv_bytes, kv_tokens_per_device=slots * max_model_len,
-        max_concurrency=slots * len(devices), override=override,
+        max_concurrency=slots * data_parallel_size, override=override, data_parallel_size=data_parallel_size,
     )
 
 
@@ -243,12 +251,14 @@ def _group_plans(specs: Sequence[CacheGroupSpec], slots: int, budget: int) -> tu
 
 def plan_for_config(rc: RuntimeConfig, devices: Sequence[DeviceMemory],
                     num_slots_override: int | None = None) -> CapacityPlan:
-    """plan_capacity with a config's settings (what mode=plan and the launcher both call).
+    """plan_capacity with a config's settings (what mode=plan and the launcher both call), on the cache groups
+    as a rank stores them (tensor parallel: its kv heads only; every rank's are the same size).
 
     num_slots_override (the launcher's retry after a failed allocation) wins over the config's own.
     """
     return plan_capacity(
-        rc.model.cache_groups, devices, utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
-        max_model_len=rc.max_model_len, block_size=rc.block_size,
+        rank_cache_groups(rc.model, place_of(rc.parallel, 0)), devices, utilization=rc.npu_memory_utilization,
+        decode_batch=rc.decode_batch, max_model_len=rc.max_model_len, block_size=rc.block_size,
         kv_cache_memory_bytes=rc.kv_cache.kv_cache_memory_bytes,
-        num_slots_override=num_slots_override if num_slots_override is not None else rc.kv_cache.num_slots_override)
+        num_slots_override=num_slots_override if num_slots_override is not None else rc.kv_cache.num_slots_override,
+        data_parallel_size=rc.parallel.data_parallel_size or 1)

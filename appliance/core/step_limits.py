@@ -8,12 +8,21 @@ allows, which the launcher runs (on scratch pages, with the sampler at its large
 Which step is heaviest depends on the runner's math, so every extreme is listed, not one guess:
 - the largest decode gather: decode_batch rows at full context (runs first, so that buffers a runner keeps
   between steps, such as a gather workspace, are at their largest while the others run);
-- one sequence with the whole budget at full context (the widest attention: chunk x max_model_len);
+- one sequence with the whole chunk cap at full context (the widest attention: chunk x max_model_len);
 - the budget as chunks from position 0, as many as fit (one attention call over equal chunks);
+- the budget as equal chunks at full context, in the fewest chunks and in the most (runners that attend to
+  chunks of equal length together, wherever they start, peak at one of these two: with the budget fixed,
+  the scores grow with the chunk length and the keys read with the number of sequences, so their sum
+  is largest at an end of the range);
 - decode_batch decodes plus the rest of the budget as chunks at full context (runners that pad every row
   of a step to its longest chunk peak here).
 Contexts end at max_model_len, one token beyond what a request can reach (its last token is sampled, never
-computed), so the profile errs on the safe side.
+computed), so the profile errs on the safe side. A chunk of two or more tokens starts on a block boundary,
+as the scheduler issues it (a partial prefill chunk ends on one) and as ring caches need (DeepSeek V4's
+compressor-state rings keep just the pages an aligned chunk touches): "at full context" is the latest
+aligned start. When max_model_len - chunk is not aligned, the longest chunk cannot end at max_model_len, so
+both ends of that trade are profiled: the full chunk from the last aligned start that fits, and the shorter
+chunk from the next boundary to max_model_len.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ class StepLimits:
     max_decode_rows: int     # one-token rows in one step (decode_batch, at most max_seqs and max_tokens)
     max_chunk: int           # tokens one sequence computes in one step (layout.tokens_in_flight caps it for rings)
     max_context: int         # tokens a sequence holds, this step's included (max_model_len)
+    chunk_align: int         # a chunk of 2+ tokens starts at a multiple of this (block_size)
 
     @property
     def max_sampled_rows(self) -> int:
@@ -68,7 +78,7 @@ def step_limits(rc: RuntimeConfig) -> StepLimits:
     return StepLimits(
         max_tokens=rc.max_num_batched_tokens, max_seqs=rc.max_num_seqs,
         max_decode_rows=min(rc.decode_batch, rc.max_num_seqs, rc.max_num_batched_tokens),
-        max_chunk=min(chunk, rc.max_model_len), max_context=rc.max_model_len)
+        max_chunk=min(chunk, rc.max_model_len), max_context=rc.max_model_len, chunk_align=rc.block_size)
 
 
 def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
@@ -81,6 +91,17 @@ def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
     return lengths
 
 
+def _equal_chunks(tokens: int, chunk: int, num: int) -> list[int]:
+    """`num` equal chunks holding as many of `tokens` as fit, at most `chunk` tokens each."""
+    return [min(chunk, tokens // num)] * num
+
+
+def _at_end(num_tokens: int, limits: StepLimits) -> SeqShape:
+    """A chunk of num_tokens from the latest aligned start where it still fits in max_context."""
+    align = limits.chunk_align
+    return SeqShape(num_tokens, (limits.max_context - num_tokens) // align * align)
+
+
 def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
     """The heaviest steps `limits` allow, each within them (see the module docstring); decode gather first."""
     ctx, chunk, rows = limits.max_context, limits.max_chunk, limits.max_decode_rows
@@ -89,11 +110,21 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
     if decode:
         steps.append(StepShape("decode_gather", decode))
     if chunk >= 2:
-        steps.append(StepShape("long_chunk", (SeqShape(chunk, ctx - chunk),)))
+        long_chunk = _at_end(chunk, limits)
+        steps.append(StepShape("long_chunk", (long_chunk,)))
+        tail = ctx - (long_chunk.start_pos + limits.chunk_align)
+        if long_chunk.end < ctx and tail >= 2:
+            steps.append(StepShape("chunk_to_full_context", (_at_end(tail, limits),)))
         wave = _chunks(limits.max_tokens, chunk, limits.max_seqs)
         if len(wave) > 1:
             steps.append(StepShape("prefill_wave", tuple(SeqShape(n, 0) for n in wave)))
+        fewest = min(limits.max_seqs, -(-limits.max_tokens // chunk))
+        most = min(limits.max_seqs, limits.max_tokens // 2)
+        for name, num in (("long_chunks_at_full_context", fewest), ("short_chunks_at_full_context", most)):
+            if num > 1 and (name.startswith("long") or most > fewest):
+                chunks = _equal_chunks(limits.max_tokens, chunk, num)
+                steps.append(StepShape(name, tuple(_at_end(n, limits) for n in chunks)))
         mixed = _chunks(limits.max_tokens - rows, chunk, limits.max_seqs - rows)
         if decode and mixed:
-            steps.append(StepShape("decodes_and_chunks", decode + tuple(SeqShape(n, ctx - n) for n in mixed)))
+            steps.append(StepShape("decodes_and_chunks", decode + tuple(_at_end(n, limits) for n in mixed)))
     return tuple(steps)

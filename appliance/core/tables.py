@@ -69,7 +69,8 @@ def capacity_plan_table(plan: CapacityPlan, title: str = "KV-cache capacity plan
         f"per device:  capacity_slots {plan.capacity_slots:,} (sequences of max_model_len {plan.max_model_len} "
         f"one device's pools hold)   KV tokens {plan.kv_tokens_per_device:,}",
         f"deployment:  max concurrency {plan.max_concurrency:,} sequences at max_model_len = "
-        f"{plan.capacity_slots:,} slots x {len(plan.devices)} device(s), each a data-parallel rank with its own pools",
+        f"{plan.capacity_slots:,} slots x {plan.data_parallel_size:,} data-parallel "
+        f"rank(s), each with its own pools, over {len(plan.devices)} device(s)",
     ]
     if plan.override:
         lines.append(f"override: {plan.override}")

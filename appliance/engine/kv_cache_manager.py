@@ -157,6 +157,13 @@ class KvCacheManager:
         self.prefix_stats.hit_tokens += seq.num_cached
         return seq.num_cached
 
+    def place(self, request_id: str) -> int:
+        """Place a new request on the least loaded partition without a prefix lookup; returns the partition."""
+        self._require_init()
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already holds pages; place is for new requests")
+        return self._add_seq(request_id).partition
+
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         """Whether allocate() for the next num_new_tokens would succeed now (an unknown request starts at 0)."""
         self._require_init()

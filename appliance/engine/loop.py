@@ -14,6 +14,7 @@ import time
 from typing import Callable, Iterator
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.parallel import world_size
 from appliance.core.request import (
     EngineUnavailableError,
     FinishReason,
@@ -32,6 +33,7 @@ from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
 from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
 from npu.backends import Backend
+from npu.device_group import start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler
 from npu.step import SeqStep, StepBatch
@@ -103,9 +105,13 @@ class Engine:
         self.limits = RequestLimits(self.rc.model.layout.vocab_size, self.rc.max_model_len,
                                     self.tokenizer.max_token_bytes)
         self.backend = checked.backend
-        runner, report = launch(self.rc, checked.backend, checked.runner)
+        if world_size(self.rc.parallel) > 1:       # one process per device: this one owns the others' steps
+            runner, report = start_ranks(self.rc, checked.backend, checked.runner)
+        else:
+            runner, report = launch(self.rc, checked.backend, checked.runner)
         manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
-                                 enable_prefix_caching=self.rc.enable_prefix_caching)
+                                 enable_prefix_caching=self.rc.enable_prefix_caching,
+                                 num_partitions=self.rc.parallel.data_parallel_size)
         manager.initialize_from_plan(report.plan)
         self._runner, self.kv_cache_manager = runner, manager
         self._sampler = Sampler(runner.device, self.rc.seed)
@@ -142,7 +148,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self._runner is not None:
-            self._runner.free_pools()
+            self._runner.shutdown()
         self._runner = None
 
     # -- requests ------------------------------------------------------------------------------------
@@ -242,7 +248,8 @@ class Engine:
 
         The step's new pages go to every retry until one runs: a runner zeroes new state pages before use, and
         pages announced only to a step that failed would otherwise keep another request's stale rows."""
-        new_pages = self.kv_cache_manager.take_new_pages()
+        kv = self.kv_cache_manager
+        new_pages = [kv.take_new_pages(p) for p in range(kv.num_partitions)]
         try:
             return self._execute(scheduled, new_pages)
         except Exception:
@@ -251,22 +258,29 @@ class Engine:
         for item in scheduled:
             try:
                 finished += self._execute([item], new_pages)
-                new_pages = {}
+                new_pages = [{} for _ in new_pages]
             except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
                 item.seq.error = f"{type(exc).__name__}: {exc}"
                 self._finish(item.seq, FinishReason.ABORTED)
                 finished.append(item.seq)
         return finished
 
-    def _execute(self, scheduled: list[ScheduledSeq], new_pages: dict[str, list[int]]) -> list[Sequence]:
+    def _execute(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
+        """One step. Several data-parallel ranks (KV partitions) each get the batch of their own sequences; the
+        logits come back in partition order, so the scheduled sequences are put in that order first."""
         kv = self.kv_cache_manager
-        batch = StepBatch(
-            seqs=[SeqStep(request_id=s.seq.request_id,
-                          token_ids=s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
-                          start_pos=s.seq.num_computed_tokens, block_tables=kv.block_tables(s.seq.request_id),
-                          sample=s.samples) for s in scheduled],
-            new_pages=new_pages)
-        logits = self._runner.execute(batch)
+        if kv.num_partitions > 1:
+            scheduled = sorted(scheduled, key=lambda s: kv.partition_of(s.seq.request_id))
+        batches = [StepBatch(seqs=[], new_pages=pages) for pages in new_pages]
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(SeqStep(
+                request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
+                start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples))
+        if kv.num_partitions > 1:
+            logits = self._runner.execute_partitions(batches)
+        else:
+            logits = self._runner.execute(batches[0])
         samplers = [s for s in scheduled if s.samples]
         tokens = self._sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
         self.steps += 1

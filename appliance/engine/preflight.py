@@ -5,9 +5,10 @@ through Engine.prepare() before binding). In order, cheapest first:
 
 1. the checkpoint's files, torch-free (appliance.core.checkpoint_files): the weights directory, config.json
    against model.layout, every safetensors header;
-2. the backend (npu.launcher.open_backend): the device kind is importable and visible (device=auto says
-   which it chose and why), and every device can hold the weights estimated from the layout;
-3. the runner (no weights yet), and the checkpoint's tensor names and shapes against the ones it expects;
+2. the backend (npu.launcher.prepare_rank): the device kind is importable and visible (device=auto says
+   which it chose and why), and this rank's device can hold its shard of the weights estimated from the layout;
+3. the runner of that shard (no weights yet), and the checkpoint's tensor names and shapes against the ones it
+   expects;
 4. the tokenizer: tokenizer.json loads and fits the vocabulary (or, for random weights, it is built).
 
 Each fault is a StartupError naming the file, key or device and the fix (the CLI exits 2). The backend,
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 
 from appliance.core.checkpoint_files import check_checkpoint_files
 from appliance.core.config import RuntimeConfig
+from appliance.core.parallel import place_of
 from appliance.core.tokenizer import Tokenizer, load_tokenizer_for
 from npu.backends import Backend
-from npu.launcher import open_backend
-from npu.registry import build_runner
+from npu.launcher import prepare_rank
+from npu.ranks import owner_rendezvous
 from npu.runner import ModelRunner
-from npu.weights import check_checkpoint_tensors
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class Preflight:
 
 
 def preflight(rc: RuntimeConfig) -> Preflight:
+    """The checks for this process's rank (the owner: rank 0, or torchrun's RANK); the other ranks run the
+    device-plane ones themselves (npu.worker) and report failures through the rendezvous."""
     check_checkpoint_files(rc.model)
-    backend = open_backend(rc)
-    runner = build_runner(rc.model, backend.torch_device(0))
-    if rc.model.weights != "random":
-        check_checkpoint_tensors(rc.model.weights, runner.expected_weights())
+    rank, local_index = owner_rendezvous()
+    backend, runner = prepare_rank(rc, place_of(rc.parallel, rank), local_index)
     return Preflight(backend, runner, load_tokenizer_for(rc.model))

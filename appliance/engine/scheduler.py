@@ -1,5 +1,8 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
+With data parallel the KvCacheManager has one partition per data-parallel rank (it places each new request on
+the least loaded one); every limit below then holds per partition, as each rank steps its own sequences.
+
 Every sequence computes its pending tokens (prompt chunks, or the one token sampled last step), bounded by
 appliance.core.step_limits.step_limits(rc), the description the startup profile measures the worst steps
 of: the step's token budget (max_num_batched_tokens), the per-step chunk cap (layout.tokens_in_flight for
@@ -84,44 +87,59 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> list[ScheduledSeq]:
+        """The next step. Limits hold per KV partition (a data-parallel rank steps its own sequences), so with
+        one partition they hold for the step."""
         self.step += 1
-        budget = self.limits.max_tokens
-        decode_rows = self.limits.max_decode_rows
+        parts = self.kv.num_partitions
+        where = self.kv.partition_of if parts > 1 else (lambda request_id: 0)
+        budget = [self.limits.max_tokens] * parts
+        decode_rows = [self.limits.max_decode_rows] * parts
         scheduled: list[ScheduledSeq] = []
 
         # Running sequences, oldest first; decode rows go to those that waited longest for one.
         self.running.sort(key=lambda s: s.arrival)
         decoders = sorted((s for s in self.running if s.num_pending_tokens == 1),
                           key=lambda s: (s.last_scheduled_step, s.arrival))
-        allowed_decoders = {id(s) for s in decoders[:decode_rows]}
+        allowed_decoders: set[int] = set()
+        for p in range(parts):
+            allowed_decoders.update(id(s) for s in [d for d in decoders if where(d.request_id) == p][:decode_rows[p]])
         for seq in list(self.running):
-            if budget == 0 or seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
+            p = where(seq.request_id)
+            if budget[p] == 0:
+                continue
+            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget[p])
             if n == 0 or (seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders):
                 continue
-            if n == 1 and decode_rows == 0:      # a 1-token chunk is a decode row to the runner too
+            if n == 1 and decode_rows[p] == 0:      # a 1-token chunk is a decode row to the runner too
                 continue
             while not self._allocate(seq, n):
-                victim = self.running[-1]  # newest
+                victim = next(s for s in reversed(self.running) if where(s.request_id) == p)  # newest on its partition
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
                 scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                budget[p] -= n
                 if n == 1:
-                    decode_rows -= 1
+                    decode_rows[p] -= 1
 
         # Waiting sequences, strictly in order: the head is never overtaken.
-        while self.waiting and len(self.running) < self.limits.max_seqs and budget > 0:
+        running = [0] * parts
+        for seq in self.running:
+            running[where(seq.request_id)] += 1
+        while self.waiting and any(running[p] < self.limits.max_seqs and budget[p] > 0 for p in range(parts)):
             seq = self.waiting[0]
             if self.enable_prefix_caching:
-                cached = self.kv.match_prefix(seq.request_id, seq.token_ids)
+                cached = self.kv.match_prefix(seq.request_id, seq.token_ids)   # places it on a partition too
             else:
                 cached = 0
-            n = self._chunk(cached, seq.num_tokens - cached, budget)
-            if n == 0 or (n == 1 and decode_rows == 0):
+                if parts > 1:
+                    self.kv.place(seq.request_id)
+            p = where(seq.request_id)
+            n = self._chunk(cached, seq.num_tokens - cached, budget[p])
+            if running[p] >= self.limits.max_seqs or n == 0 or (n == 1 and decode_rows[p] == 0):
                 self.kv.free(seq.request_id)
                 break
             if not self._allocate(seq, n):
@@ -133,10 +151,11 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            running[p] += 1
             scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            budget[p] -= n
             if n == 1:
-                decode_rows -= 1
+                decode_rows[p] -= 1
 
         for item in scheduled:
             item.seq.last_scheduled_step = self.step

@@ -25,10 +25,13 @@ def run_plan(rc: RuntimeConfig, output_dir: Path | None = None, quiet: bool = Fa
     if quiet:
         return result
     source = ("given plan.peak_non_kv_bytes" if rc.plan.peak_non_kv_bytes is not None else
-              f"estimated: weights from the layout / {len(plan.devices)} devices + activation allowance "
+              f"estimated: each rank's shard of the weights (from the layout) + activation allowance "
               f"{rc.plan.activation_allowance_bytes:,} B")
+    par = rc.parallel
+    ranks = (f"tensor {par.tensor_parallel_size} x data {par.data_parallel_size}, "
+             f"expert {par.expert_parallel_size}")
     print(capacity_plan_table(plan, title=f"KV-cache capacity plan: {rc.model.name} on {len(plan.devices)} x "
-                                          f"{rc.device.kind} (peak_non_kv {source})"))
+                                          f"{rc.device.kind}, {ranks} (peak_non_kv {source})"))
     if path:
         print(f"plan written to {path}")
     return result

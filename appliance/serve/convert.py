@@ -71,7 +71,7 @@ def startup_report(msg: pb.StartupResponse) -> StartupReport:
                      for g in msg.cache_groups),
         kv_cache_bytes=msg.kv_cache_bytes, unused_bytes=msg.budget_bytes - msg.scratch_bytes - msg.kv_cache_bytes,
         kv_tokens_per_device=msg.kv_tokens_per_device, max_concurrency=msg.max_concurrency,
-        override=msg.override or None)
+        override=msg.override or None, data_parallel_size=msg.max_concurrency // max(msg.capacity_slots, 1))
     return StartupReport(model_name=msg.model_name, arch=msg.arch, device_kind=msg.device_kind,
                          device_count=msg.device_count, plan=plan, resolved_config_yaml=msg.resolved_config_yaml,
                          weights=msg.weights, load_seconds=msg.load_seconds, profile_seconds=msg.profile_seconds,

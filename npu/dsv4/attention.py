@@ -17,6 +17,17 @@
   heads in o_groups groups, each projected by its block of wo_a, then wo_b.
 Window-only layers use RoPE with rope_theta, compressed layers (their compressors and indexer too) with
 compress_rope_theta and YaRN.
+
+Why an explicit softmax and not scaled_dot_product_attention: SDPA's formula has no sink logit (and its public
+API returns no log-sum-exp to fold one in afterwards); CSA's keys differ per query (the indexer's picks), which
+SDPA could take only as keys copied per query; and head_dim 512 is past the flash kernels' 256 (transformers'
+DeepseekV4 runs eager-only for these reasons). So scores are computed here, on the paths an accelerator keeps
+cheap: every mask is bool, applied in place (masked_fill_, never an added -inf tensor); queries are attended
+in groups of equal length (paging.QueryGroup), so none is padded to a longer chunk; window and HCA rows are
+read once per sequence and shared by its queries; pools are read one contiguous layer at a time (PoolIO).
+The fused path on an NPU would be a sparse flash-attention kernel taking per-query row indices and a sink
+(what DeepSeek V3.2's sparse attention runs on Ascend); this runner calls none: no such kernel could be
+checked here.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import torch.nn.functional as F
 
 from appliance.core.config import Layout
 from npu.dsv4.hyper import unweighted_rms
-from npu.dsv4.paging import Compression, PoolIO, Rows, StepPlan
+from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.dsv4.rope import Rope, Rotation
 
 
@@ -79,20 +90,16 @@ class Attention:
         q = rope.apply(q)
         kv = rope.apply(rms_norm(F.linear(x, w(p + "wkv.weight")), w(p + "kv_norm.weight"), eps))
         self.io.write("ori", layer, plan.rows["ori.write"], kv)
-        parts = [(self.io.read("ori", layer, plan.rows["ori.keys"], d, self.dtype), plan.window_mask)]
         if ratio:
             kind = self.kinds[ratio]
-            cmp = kind.outputs[0]
-            self._compress(layer, p + "compressor.", kind, kind.states[0], cmp, d, x, plan, rot[ratio])
-            if ratio != self.csa:        # HCA: every visible compressed row
-                parts.append((self.io.read(cmp, layer, plan.rows[f"{cmp}.keys"], d, self.dtype), plan.visible[ratio]))
-            else:                        # CSA: the rows the indexer picks, per query
+            self._compress(layer, p + "compressor.", kind, kind.states[0], kind.outputs[0], d, x, plan, rot[ratio])
+            if ratio == self.csa:
                 self._compress(layer, p + "indexer.compressor.", kind, kind.states[1], kind.outputs[1],
                                lay.index_head_dim, x, plan, rot[ratio])
-                picked = self._index(layer, x, q_latent, plan, rope)
-                if picked is not None:
-                    parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
-        out = plan.unpad(self._attend(layer, plan.pad(q), parts))               # [N, H, d]
+        index = self._index_queries(layer, x, q_latent, rope) if ratio == self.csa else None
+        outs = [self._attend(layer, group.view(q), self._keys(layer, ratio, group, index)).flatten(0, 1)
+                for group in plan.groups]                                   # [S * Q, H, d] each, in flat order
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = rope.apply(out, inverse=True)
         groups = lay.o_groups
         wo_a = w(p + "wo_a.weight").view(groups, lay.o_lora_rank, -1)         # [G, rank, H d / G]
@@ -115,23 +122,43 @@ class Attention:
         pooled = rms_norm(pooled, w(prefix + "norm.weight"), self.lay.rms_norm_eps)
         self.io.write(out, layer, plan.rows[f"{out}.write"], rope.apply(pooled))
 
-    def _index(self, layer: int, x: torch.Tensor, q_latent: torch.Tensor, plan: StepPlan,
-               rope: Rotation) -> Rows | None:
-        """Rows of the top index_topk visible CSA rows of each query, [S, Q, k] (ties: lower row first)."""
+    def _keys(self, layer: int, ratio: int, group: QueryGroup,
+              index: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The key parts of one query group, each (keys = values, bool mask): the window rows; HCA: every
+        compressed row, masked to those visible; CSA: the rows the indexer picks for each query."""
+        d = self.lay.head_dim
+        parts = [(self.io.read("ori", layer, group.keys["ori"], d, self.dtype), group.window_mask)]
+        if ratio:
+            cmp = self.kinds[ratio].outputs[0]
+            if ratio != self.csa:
+                parts.append((self.io.read(cmp, layer, group.keys[cmp], d, self.dtype), group.visible[ratio]))
+            elif (picked := self._index(layer, group, *index)) is not None:
+                parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
+        return parts
+
+    def _index_queries(self, layer: int, x: torch.Tensor, q_latent: torch.Tensor,
+                       rope: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lightning indexer's per-token queries [N, heads, di] and head weights [N, heads]."""
         lay, w = self.lay, self.w
         p, heads, di = f"layers.{layer}.attn.indexer.", lay.index_num_heads, lay.index_head_dim
-        visible = plan.visible[self.csa]
-        k = min(lay.index_topk, visible.shape[-1])
+        q = rope.apply(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, heads, di))
+        return q, F.linear(x, w(p + "weights_proj.weight")).float() * heads ** -0.5
+
+    def _index(self, layer: int, group: QueryGroup, q: torch.Tensor, head_w: torch.Tensor) -> Rows | None:
+        """Rows of the top index_topk visible CSA rows of each query of the group, [S, Q, k] (ties: lower row
+        first)."""
+        di = self.lay.index_head_dim
+        visible = group.visible[self.csa]
+        k = min(self.lay.index_topk, visible.shape[-1])
         if k == 0:
             return None
-        q = rope.apply(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, heads, di))
-        head_w = F.linear(x, w(p + "weights_proj.weight")).float() * heads ** -0.5
-        keys = self.io.read("idx", layer, plan.rows["idx.keys"], di, torch.float32)          # [S, Kc, di]
-        dots = torch.einsum("sqhd,skd->sqhk", plan.pad(q).float(), keys).relu() * di ** -0.5
-        score = (dots * plan.pad(head_w)[..., None]).sum(dim=2) + 0.0                       # -0.0 -> 0.0: ties
+        keys = self.io.read("idx", layer, group.keys["idx"], di, torch.float32)               # [S, Kc, di]
+        dots = torch.einsum("sqhd,skd->sqhk", group.view(q).float(), keys).relu_().mul_(di ** -0.5)   # in place:
+        score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2) + 0.0          # one [S, Q, heads, Kc] tensor
+        del dots                                                                    # (+ 0.0: -0.0 -> 0.0, ties)
         score = score.masked_fill(~visible, float("-inf"))
         order = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]           # [S, Q, k]
-        where = plan.rows[f"{self.kinds[self.csa].outputs[0]}.keys"]                       # [S, Kc]
+        where = group.keys[self.kinds[self.csa].outputs[0]]                                 # [S, Kc]
         pick = lambda t: t.gather(1, order.flatten(1)).view_as(order)  # noqa: E731
         return Rows(pick(where.page), pick(where.row), score.gather(-1, order) > float("-inf"))
 
@@ -140,13 +167,17 @@ class Attention:
         sequence's queries, keys [S, Q, K, d] are per query. One softmax over all parts and a sink logit."""
         S, Q, H, d = q.shape
         scores = []
-        for keys, mask in parts:
+        for keys, mask in parts:       # scaled and masked in place: one [S, H, Q, K] float32 tensor per part
             eq = "sqhd,skd->shqk" if keys.dim() == 3 else "sqhd,sqkd->shqk"
-            scores.append((torch.einsum(eq, q, keys).float() * d ** -0.5).masked_fill(~mask[:, None], -math.inf))
+            scores.append(torch.einsum(eq, q, keys).float().mul_(d ** -0.5).masked_fill_(~mask[:, None], -math.inf))
+        widths = [s.shape[-1] for s in scores]
         sink = self.w(f"layers.{layer}.attn.attn_sink").float().view(1, H, 1, 1).expand(S, H, Q, 1)
-        probs = torch.cat([*scores, sink], dim=-1).softmax(dim=-1)
+        logits = torch.cat([*scores, sink], dim=-1)
+        scores.clear()                 # the parts go before the softmax allocates its output
+        probs = logits.softmax(dim=-1)
+        del logits
         out = torch.zeros_like(q)
-        for (keys, _), prob in zip(parts, probs[..., :-1].split([s.shape[-1] for s in scores], dim=-1), strict=True):
+        for (keys, _), prob in zip(parts, probs[..., :-1].split(widths, dim=-1), strict=True):
             eq = "shqk,skd->sqhd" if keys.dim() == 3 else "shqk,sqkd->sqhd"
             out = out + torch.einsum(eq, prob.to(keys.dtype), keys)
         return out

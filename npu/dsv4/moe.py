@@ -12,6 +12,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from appliance.core.parallel import split
+from npu.collectives import Collective
+
 SCORE_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
     "sigmoid": torch.sigmoid,
@@ -51,3 +54,35 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         token, slot = torch.where(experts == e)
         out[token, slot] = swiglu(h[token], *expert(e), limit) * weights[token, slot, None].to(h.dtype)
     return out.sum(dim=1)
+
+
+def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     limit: float | None, num_experts: int) -> torch.Tensor:
+    """routed_experts with the experts spread over the ranks of `group` (expert parallel): rank i holds the
+    contiguous experts split(num_experts, size, i) (appliance.core.parallel.RankPlace.experts).
+
+    Each (token, slot) pair travels to the rank holding its expert and its output comes back (all-to-alls of the
+    counts, the hidden rows, the expert ids, and the outputs back): the rows go out sorted by destination rank, each rank runs its experts on
+    the rows it received (from every rank, its own included), and the outputs return in the same order. The
+    origin then weights and sums them exactly as routed_experts does, so the result does not depend on where
+    an expert lives. Every rank of the group calls this once per MoE layer, in lockstep, even with no tokens:
+    the others may still send it rows for its experts."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    bounds = torch.tensor([split(num_experts, group.size, i)[1] for i in range(group.size)], device=flat.device)
+    dest = torch.bucketize(flat, bounds, right=True)             # the rank holding each pair's expert
+    order = torch.argsort(dest, stable=True)
+    send = torch.bincount(dest, minlength=group.size)
+    recv = group.exchange_counts(send)
+    send_counts, recv_counts = send.tolist(), recv.tolist()
+    rows = group.all_to_all(h[order // k], send_counts, recv_counts)
+    ids = group.all_to_all(flat[order], send_counts, recv_counts)
+    out = rows.new_empty(rows.shape)
+    for e in torch.unique(ids).tolist():
+        at = torch.where(ids == e)[0]
+        out[at] = swiglu(rows[at], *expert(e), limit)
+    back = group.all_to_all(out, recv_counts, send_counts)
+    pairs = torch.empty_like(back)
+    pairs[order] = back
+    return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)

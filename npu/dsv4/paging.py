@@ -32,29 +32,41 @@ class Rows:
 
 
 @dataclass
-class StepPlan:
-    """Layer-independent indices of one step. Queries are padded to [S, Q] (S sequences, Q = longest
-    chunk); flat tokens follow batch order."""
+class QueryGroup:
+    """The sequences of a step that compute the same number of tokens (q_len), attended to together. Their
+    tokens are the flat rows first .. first + num_seqs * q_len, so their queries are a [S, Q] view of the
+    flat batch: no sequence is padded to a longer one (a step of decode rows next to a long chunk would
+    otherwise attend num_seqs x the chunk's length queries, most of them padding)."""
 
+    first: int
     num_seqs: int
-    max_q: int
+    q_len: int
+    window_mask: torch.Tensor                                          # [S, Q, Kw] query sees window key
+    visible: dict[int, torch.Tensor] = field(default_factory=dict)     # ratio -> [S, Q, Kc]
+    keys: dict[str, Rows] = field(default_factory=dict)                # group -> key rows: ori [S, Kw], others [S, Kc]
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """[N, ...] flat tokens -> this group's [S, Q, ...] queries (a view)."""
+        return flat[self.first:self.first + self.num_seqs * self.q_len].unflatten(0, (self.num_seqs, self.q_len))
+
+    def to(self, device: torch.device) -> "QueryGroup":
+        return QueryGroup(self.first, self.num_seqs, self.q_len, self.window_mask.to(device),
+                          {r: v.to(device) for r, v in self.visible.items()},
+                          {k: v.to(device) for k, v in self.keys.items()})
+
+
+@dataclass
+class StepPlan:
+    """Layer-independent indices of one step. Flat tokens are ordered by query group (sequences by how many
+    tokens they compute, decode rows first; batch order within a group); sample_index gives the logits
+    rows back in batch order."""
+
     token_ids: torch.Tensor        # [N]
     pos: torch.Tensor              # [N] position of each flat token
-    pad_index: torch.Tensor        # [N] index of each flat token in the padded [S * Q] layout
-    sample_index: torch.Tensor     # [M] flat index of the last token of each sampled sequence
-    window_mask: torch.Tensor      # [S, Q, Kw] query sees window key
-    visible: dict[int, torch.Tensor] = field(default_factory=dict)   # ratio -> [S, Q, Kc]
+    sample_index: torch.Tensor     # [M] flat index of the last token of each sampled sequence, in batch order
+    groups: list[QueryGroup]
     run_pos: dict[int, torch.Tensor] = field(default_factory=dict)   # ratio -> [J] first token of each completed run
-    rows: dict[str, Rows] = field(default_factory=dict)              # "group.use" -> rows
-
-    def pad(self, flat: torch.Tensor) -> torch.Tensor:
-        """[N, ...] flat tokens -> [S, Q, ...] padded queries (zeros in the padding)."""
-        out = flat.new_zeros((self.num_seqs * self.max_q, *flat.shape[1:]))
-        out[self.pad_index] = flat
-        return out.view(self.num_seqs, self.max_q, *flat.shape[1:])
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        return padded.reshape(self.num_seqs * self.max_q, *padded.shape[2:])[self.pad_index]
+    rows: dict[str, Rows] = field(default_factory=dict)              # "group.use" -> rows written or pooled
 
 
 @dataclass(frozen=True)
@@ -109,39 +121,31 @@ def check_state_rings(model: ModelSpec, kinds: list[Compression], seqs: list[Seq
 
 
 def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], device: torch.device) -> StepPlan:
-    seqs = batch.seqs
     tif = model.layout.tokens_in_flight
-    for s in seqs:
+    for s in batch.seqs:
         if not 1 <= len(s.token_ids) <= tif or s.start_pos < 0:
             raise ValueError(f"request {s.request_id!r}: a step computes 1..{tif} tokens (tokens_in_flight) "
                              f"from start_pos >= 0, got {len(s.token_ids)} tokens at {s.start_pos}")
-    check_state_rings(model, kinds, seqs)
+    check_state_rings(model, kinds, batch.seqs)
+    order = sorted(range(len(batch.seqs)), key=lambda i: len(batch.seqs[i].token_ids))   # stable: batch order
+    seqs = [batch.seqs[i] for i in order]
     S = len(seqs)
     lens = torch.tensor([len(s.token_ids) for s in seqs])
     starts = torch.tensor([s.start_pos for s in seqs])
     ends = starts + lens
-    Q = int(lens.max())
-    qvalid = torch.arange(Q)[None] < lens[:, None]                        # [S, Q]
-    qpos = starts[:, None] + torch.arange(Q)[None]                        # [S, Q]
-    pad_index = qvalid.flatten().nonzero().squeeze(1)
-    tok_seq, pos = pad_index // Q, qpos.flatten()[pad_index]
+    last = torch.cumsum(lens, 0) - 1                                      # flat index of each sequence's last token
+    tok_seq = torch.repeat_interleave(torch.arange(S), lens)
+    pos = starts[tok_seq] + torch.arange(len(tok_seq)) - (last + 1 - lens)[tok_seq]
     all_tokens = torch.ones_like(pos, dtype=torch.bool)
     tables = {spec.name: block_table(spec, seqs) for spec in model.cache_groups}
 
     def at(name: str, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor) -> Rows:
         return locate(model.group(name), tables[name], seq, row_pos, ok, seqs)
 
-    # window keys: positions start - W + 1 .. end - 1 of each sequence
-    W = model.layout.sliding_window
-    kpos = starts[:, None] - (W - 1) + torch.arange(Q + W - 1)[None]      # [S, Kw]
-    kvalid = (kpos >= 0) & (kpos < ends[:, None])
-    dist = qpos[:, :, None] - kpos[:, None, :]
-    window_mask = qvalid[:, :, None] & kvalid[:, None, :] & (dist >= 0) & (dist < W)
-    seq_of = lambda t: torch.arange(S)[:, None].expand_as(t)  # noqa: E731
-    rows = {"ori.write": at("ori", tok_seq, pos, all_tokens), "ori.keys": at("ori", seq_of(kpos), kpos, kvalid)}
-    plan = StepPlan(S, Q, torch.tensor([t for s in seqs for t in s.token_ids]), pos, pad_index,
-                    torch.cumsum(lens, 0)[torch.tensor([s.sample for s in seqs], dtype=torch.bool)] - 1,
-                    window_mask)
+    rows = {"ori.write": at("ori", tok_seq, pos, all_tokens)}
+    flat_last = dict(zip(order, last.tolist()))
+    sample = torch.tensor([flat_last[i] for i, s in enumerate(batch.seqs) if s.sample], dtype=torch.long)
+    plan = StepPlan(torch.tensor([t for s in seqs for t in s.token_ids]), pos, sample, [])
 
     for kind in kinds:
         r = kind.ratio
@@ -156,17 +160,33 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
         for name in kind.states:
             rows[f"{name}.write"] = at(name, tok_seq, pos, all_tokens)
             rows[f"{name}.read"] = at(name, run_seq[:, None].expand_as(run_tokens), run_tokens, run_tokens >= 0)
-        # compressed rows 0 .. end // r - 1, visible once their window has ended
-        ci = torch.arange(int(stop.max()))[None].expand(S, -1)           # [S, Kc]
-        plan.visible[r] = qvalid[:, :, None] & ((ci[:, None, :] + 1) * r - 1 <= qpos[:, :, None])
         for name in kind.outputs:
             rows[f"{name}.write"] = at(name, run_seq, run, torch.ones_like(run, dtype=torch.bool))
-            rows[f"{name}.keys"] = at(name, seq_of(ci), ci, ci < stop[:, None])
+
+    W = model.layout.sliding_window
+    for q_len in sorted(set(lens.tolist())):
+        members = (lens == q_len).nonzero().squeeze(1)                    # consecutive sequences
+        g_starts, g_ends = starts[members], ends[members]
+        qpos = g_starts[:, None] + torch.arange(q_len)[None]                # [S, Q]
+        # window keys: positions start - W + 1 .. end - 1 of each sequence
+        kpos = g_starts[:, None] - (W - 1) + torch.arange(q_len + W - 1)[None]      # [S, Kw]
+        kvalid = (kpos >= 0) & (kpos < g_ends[:, None])
+        dist = qpos[:, :, None] - kpos[:, None, :]
+        group = QueryGroup(int(last[members[0]]) + 1 - q_len, len(members), q_len,
+                           kvalid[:, None, :] & (dist >= 0) & (dist < W))
+        group.keys["ori"] = at("ori", members[:, None].expand_as(kpos), kpos, kvalid)
+        for kind in kinds:
+            # compressed rows 0 .. end // r - 1, visible once their window has ended
+            g_stop = g_ends // kind.ratio
+            ci = torch.arange(int(g_stop.max()))[None].expand(len(members), -1)   # [S, Kc]
+            group.visible[kind.ratio] = (ci[:, None, :] + 1) * kind.ratio - 1 <= qpos[:, :, None]
+            for name in kind.outputs:
+                group.keys[name] = at(name, members[:, None].expand_as(ci), ci, ci < g_stop[:, None])
+        plan.groups.append(group.to(device))
 
     plan.rows = {k: v.to(device) for k, v in rows.items()}
-    for name in ("token_ids", "pos", "pad_index", "sample_index", "window_mask"):
+    for name in ("token_ids", "pos", "sample_index"):
         setattr(plan, name, getattr(plan, name).to(device))
-    plan.visible = {r: v.to(device) for r, v in plan.visible.items()}
     plan.run_pos = {r: v.to(device) for r, v in plan.run_pos.items()}
     return plan
 

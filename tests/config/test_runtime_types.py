@@ -14,6 +14,7 @@ from appliance.core import config as core
 PAIRS = [
     (schema.LayoutConfig, core.Layout),
     (schema.DeviceConfig, core.DeviceSettings),
+    (schema.ParallelConfig, core.ParallelSettings),
     (schema.ServerConfig, core.ServerSettings),
     (schema.KvCacheConfig, core.KvCacheSettings),
     (schema.PlanConfig, core.PlanSettings),

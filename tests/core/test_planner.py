@@ -53,7 +53,7 @@ def test_budget_for_exactly_three_slots_gives_reference_blocks(dsv4_8k):
 
 
 def test_plan_arithmetic_and_slot_alignment(dsv4_8k):
-    p = plan(dsv4_8k, devices(8))
+    p = plan(dsv4_8k, devices(8), data_parallel_size=8)
     budget = int(64 * GiB * 0.9) - 20 * GiB
     assert p.budget_bytes == budget
     assert p.capacity_slots == (budget - p.scratch_bytes) // bytes_per_slot(dsv4_8k)
@@ -64,6 +64,8 @@ def test_plan_arithmetic_and_slot_alignment(dsv4_8k):
     assert sum(g.bytes for g in p.groups) == p.kv_cache_bytes
     assert p.kv_tokens_per_device == p.capacity_slots * 8192
     assert p.max_concurrency == p.capacity_slots * 8
+    # Concurrency counts data-parallel ranks (each with its own pools), not devices: 8 devices as 4 x TP 2.
+    assert plan(dsv4_8k, devices(8), data_parallel_size=4).max_concurrency == p.capacity_slots * 4
 
 
 def test_minimum_device_wins(dsv4_8k):

@@ -10,15 +10,17 @@ from appliance.core.step_limits import StepLimits, step_limits, worst_steps
 
 def test_limits_come_from_the_config_and_cap_chunks_at_tokens_in_flight():
     dsv4 = step_limits(load_runtime_config(["max_num_seqs=4", "max_num_batched_tokens=512", "decode_batch=8"]))
-    assert dsv4 == StepLimits(max_tokens=512, max_seqs=4, max_decode_rows=4, max_chunk=32, max_context=512)
+    assert dsv4 == StepLimits(max_tokens=512, max_seqs=4, max_decode_rows=4, max_chunk=32, max_context=512,
+                             chunk_align=16)
     qwen = step_limits(load_runtime_config(["+model=qwen3_tiny", "max_model_len=256", "max_num_batched_tokens=1024"]))
     assert (qwen.max_chunk, qwen.max_context, qwen.max_sampled_rows) == (256, 256, 16)
 
 
 limits_strategy = st.builds(
-    lambda t, s, d, c, m: StepLimits(max_tokens=t, max_seqs=s, max_decode_rows=min(d, s, t), max_chunk=min(c, t, m),
-                                     max_context=m),
-    st.integers(1, 300), st.integers(1, 40), st.integers(1, 40), st.integers(1, 300), st.integers(2, 600))
+    lambda t, s, d, c, m, a: StepLimits(max_tokens=t, max_seqs=s, max_decode_rows=min(d, s, t),
+                                        max_chunk=min(c, t, m), max_context=m, chunk_align=a),
+    st.integers(1, 300), st.integers(1, 40), st.integers(1, 40), st.integers(1, 300), st.integers(2, 600),
+    st.sampled_from([1, 4, 16, 128]))
 
 
 @given(limits_strategy)
@@ -29,12 +31,28 @@ def test_worst_steps_are_legal_and_reach_every_extreme(limits):
         assert sum(s.num_tokens == 1 for s in step.seqs) <= limits.max_decode_rows
         assert all(1 <= s.num_tokens <= limits.max_chunk and s.start_pos >= 0 and s.end <= limits.max_context
                    for s in step.seqs)
+        assert all(s.start_pos % limits.chunk_align == 0 for s in step.seqs if s.num_tokens > 1)   # as scheduled
     assert next(iter(steps)) == "decode_gather"               # buffers kept between steps grow to their largest first
     gather = steps["decode_gather"].seqs
     assert len(gather) == limits.max_decode_rows and all(s.end == limits.max_context for s in gather)
     if limits.max_chunk >= 2:
-        (long,) = steps["long_chunk"].seqs
-        assert (long.num_tokens, long.end) == (limits.max_chunk, limits.max_context)
+        # every aligned chunk at the end of the context is dominated (fewer tokens, an earlier end) by a profiled one
+        ends = [s.seqs[0] for name, s in steps.items() if name in ("long_chunk", "chunk_to_full_context")]
+        assert ends[0].num_tokens == limits.max_chunk
+        ctx, align = limits.max_context, limits.chunk_align
+        for start in range(0, ctx - 1, align):
+            n = min(limits.max_chunk, ctx - start)
+            if n >= 2:
+                assert any(n <= s.num_tokens and start + n <= s.end for s in ends), (start, n, ends)
+        # the budget as equal chunks ending at the context, in the fewest chunks and in the most
+        ends_at_context = [steps[n].seqs for n in ("long_chunks_at_full_context", "short_chunks_at_full_context")
+                           if n in steps]
+        for wave in ends_at_context:
+            assert len({s.num_tokens for s in wave}) == 1 and all(s.end > ctx - align for s in wave)
+            assert sum(s.num_tokens for s in wave) > min(limits.max_tokens, len(wave) * limits.max_chunk) - len(wave)
+        counts = sorted(len(wave) for wave in ends_at_context)
+        assert counts == sorted({n for n in (min(limits.max_seqs, -(-limits.max_tokens // limits.max_chunk)),
+                                             min(limits.max_seqs, limits.max_tokens // 2)) if n > 1})
         rest = limits.max_tokens - limits.max_decode_rows
         if rest >= 2 and limits.max_seqs > limits.max_decode_rows:
             mixed = steps["decodes_and_chunks"].seqs

@@ -37,6 +37,7 @@ def test_the_scheduler_never_leaves_step_limits(model, budget, max_seqs, decode_
         assert sum(sizes) <= limits.max_tokens and len(sizes) <= limits.max_seqs
         assert sizes.count(1) <= limits.max_decode_rows and all(n <= limits.max_chunk for n in sizes)
         assert all(s.seq.num_computed_tokens + s.num_new_tokens <= limits.max_context for s in scheduled)
+        assert all(s.seq.num_computed_tokens % limits.chunk_align == 0 for s in scheduled if s.num_new_tokens > 1)
         samplers = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -50,8 +50,8 @@ def test_plan_table_small_numbers_and_per_device_vs_deployment():
     deployment = next(ln for ln in text.splitlines() if ln.startswith("deployment:"))
     assert f"capacity_slots {plan.capacity_slots:,}" in per_device and "one device" in per_device
     assert f"max concurrency {plan.max_concurrency:,}" in deployment
-    assert f"{plan.capacity_slots:,} slots x {len(plan.devices)} device(s)" in deployment
-    assert plan.max_concurrency == plan.capacity_slots * len(plan.devices) == plan.capacity_slots * 16
+    assert f"{plan.capacity_slots:,} slots x 16 data-parallel rank(s)" in deployment
+    assert plan.max_concurrency == plan.capacity_slots * rc.parallel.data_parallel_size == plan.capacity_slots * 16
     assert f"KV cache {plan.kv_cache_bytes:,} B" in text and f"unused {plan.unused_bytes:,} B" in text
 
 

@@ -187,6 +187,21 @@ def test_only_configured_npus_are_touched(monkeypatch):
         select_backend(device("npu", count=9))
 
 
+def test_a_rank_opens_only_its_local_device(monkeypatch):
+    """A rank process of a multi-device deployment uses one device, its local rank on the host."""
+    runtime = npu_runtime(count=8)
+    fake_torch_npu.install(monkeypatch, runtime)
+    backend = select_backend(device("npu", count=1), 5)
+    backend.set_device(0)
+    backend.reset_peak()
+    backend.memory(0)
+    backend.synchronize()
+    assert (backend.count, backend.device_name(0)) == (1, "npu:5")
+    assert runtime.touched_devices() == {5}
+    with pytest.raises(BackendUnavailableError, match="this rank uses npu:8 .* only 8 npu device"):
+        select_backend(device("npu", count=1), 8)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto would pick cuda here")
 @pytest.mark.parametrize("error", [RuntimeError("NPU device conflict: the device is in use"),
                                    OSError("libascendcl.so: cannot open shared object file"),
@@ -227,7 +242,8 @@ def test_startup_and_engine_threads_make_the_npu_current(monkeypatch):
     rc = load_runtime_config(["+model=qwen3_tiny", "device=npu", f"device.memory_bytes_per_device={64 * MiB}",
                               "device.non_torch_margin_bytes=0"])
     runtime.devices[0].allocated = 8 * MiB       # the "weights": what the profile's peak starts from
-    monkeypatch.setattr("npu.launcher.select_backend", lambda device: NpuOnCpu(memory_bytes_per_device=64 * MiB))
+    monkeypatch.setattr("npu.launcher.select_backend",
+                        lambda device, first=0: NpuOnCpu(memory_bytes_per_device=64 * MiB))
     engine = Engine(rc)
     starter = threading.Thread(target=engine.start, name="engine-start")
     starter.start()

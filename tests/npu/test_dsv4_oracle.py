@@ -292,25 +292,6 @@ def test_new_state_pages_are_zeroed_and_hold_only_written_rows(weights):
     assert runner.pools["csa_state"][:, untouched].isnan().all()
 
 
-def test_profile_batch_uses_scratch_pages_only(weights):
-    rc = load_runtime_config([])
-    runner = make_runner(weights)
-    blocks = blocks_for(1)
-    runner.allocate_pools(blocks, num_scratch=rc.decode_batch)
-    fill_pools(runner, "nan")
-    batch = runner.profile_batch(rc.max_num_batched_tokens, rc.max_num_seqs)
-    tif = rc.model.layout.tokens_in_flight
-    assert sum(len(s.token_ids) for s in batch.seqs) == min(rc.max_num_batched_tokens, rc.max_num_seqs * tif)
-    assert all(len(s.token_ids) <= tif for s in batch.seqs) and len(batch.seqs) <= rc.max_num_seqs
-    for s in batch.seqs:
-        for name, pages in s.block_tables.items():
-            assert pages and all(blocks[name] <= p < blocks[name] + rc.decode_batch for p in pages)
-    logits = runner.execute(batch)
-    assert logits.shape == (len(batch.seqs), rc.model.layout.vocab_size)
-    for name, pool in runner.pools.items():       # real pages untouched
-        assert pool[:, : blocks[name]].isnan().all(), name
-
-
 def test_missing_page_is_a_clear_error(weights):
     runner = make_runner(weights)
     runner.allocate_pools(blocks_for(1), num_scratch=1)

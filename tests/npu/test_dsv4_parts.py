@@ -9,11 +9,13 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.archs.deepseek_v4 import csa_ratio, state_span_pages
+from appliance.core.step_limits import SeqShape, StepShape
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.dsv4 import moe as moe_module
 from npu.dsv4.attention import pool_windows
 from npu.dsv4.hyper import hc_pre, sinkhorn
 from npu.dsv4.moe import route
+from npu.dsv4.paging import build_plan
 from npu.dsv4.rope import default_inv_freq, layer_ropes, yarn_inv_freq
 from npu.step import SeqStep, StepBatch
 
@@ -155,3 +157,25 @@ def test_csa_state_ring_figure_holds_for_the_schedulers_chunks(overrides):
     ratio = max(lay.main_layer_ratios)
     assert max(state_span_pages(start, n, ratio, hca.tokens_per_page, overlap=False)
                for start in range(0, 2 * ratio, block) for n in range(1, tif + 1)) <= hca.max_blocks_per_seq
+
+
+def test_queries_are_grouped_by_length_never_padded():
+    """Decode rows, a long chunk and short chunks in one step: each length is one group of equal-length
+    sequences, a contiguous [S, Q] block of the flat tokens (no query padded to a longer one), and the logits
+    rows come back in batch order."""
+    rc = load_runtime_config(["+model=dsv4_tiny"])
+    runner = DeepseekV4Runner(rc.model, "cpu")
+    runner.allocate_pools({s.name: 0 for s in rc.model.cache_groups}, 8)
+    shapes = [(2, 16), (1, 40), (32, 0), (1, 7), (2, 0), (5, 32), (1, 99)]       # (tokens, start) in batch order
+    batch = runner.scratch_batch(StepShape("mixed", tuple(SeqShape(n, start) for n, start in shapes)))
+    plan = build_plan(rc.model, batch, list(runner.kinds.values()), runner.device)
+    by_length = sorted(range(len(shapes)), key=lambda i: shapes[i][0])
+    groups = [(g.first, g.num_seqs, g.q_len) for g in plan.groups]
+    assert groups == [(0, 3, 1), (3, 2, 2), (7, 1, 5), (12, 1, 32)]
+    assert sum(n for n, _ in shapes) == len(plan.token_ids) == sum(g.num_seqs * g.q_len for g in plan.groups)
+    assert plan.pos.tolist() == [p for i in by_length for p in range(shapes[i][1], sum(shapes[i]))]
+    ends = {i: sum(shapes[j][0] for j in by_length[:by_length.index(i) + 1]) - 1 for i in range(len(shapes))}
+    assert plan.sample_index.tolist() == [ends[i] for i in range(len(shapes))]
+    for g in plan.groups:
+        assert g.window_mask.shape == (g.num_seqs, g.q_len, g.q_len + rc.model.layout.sliding_window - 1)
+        assert g.view(plan.pos).shape == (g.num_seqs, g.q_len)

@@ -14,7 +14,8 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, parameter_counts
 from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.errors import CheckpointError
-from appliance.core.estimate import estimate_peak_non_kv
+from appliance.core.estimate import estimate_peak_non_kv, offline_devices
+from appliance.core.parallel import RankPlace, place_of
 from npu.checkpoint import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.quant import QuantizedWeight, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
@@ -187,8 +188,28 @@ def test_full_dsv4_on_the_meta_device_has_the_released_shapes():
     assert sum(torch.Size(s).numel() * d.itemsize for s, d in expected.values()) == counts.total_bytes
     assert 283e9 < counts.total < 286e9 and 13e9 < counts.active < 14e9
     assert 155e9 < counts.total_bytes < 165e9                                  # about 160 GB as published
-    estimate = estimate_peak_non_kv(m, 16, 0)
-    assert estimate.weight_bytes_per_device == counts.replicated_bytes + -(-counts.expert_bytes // 16)
+    assert estimate_peak_non_kv(m, RankPlace.single(), 0).weight_bytes_per_device == counts.total_bytes
+
+
+@pytest.mark.parametrize("rank", [0, 9, 15])
+def test_each_expert_parallel_rank_of_full_dsv4_holds_what_mode_plan_estimates_for_it(rank):
+    """Ascend A3 (16 dies), data parallel 16 x expert parallel 16: each rank's estimate in the plan equals the bytes
+    of the tensors its runner loads, counted on the meta device: the replicated ones and its 16 routed experts."""
+    rc = load_runtime_config(["+model=dsv4", "mode=plan", "device=ascend_a3", "max_model_len=8192"])
+    assert (rc.parallel.data_parallel_size, rc.parallel.expert_parallel_size) == (16, 16)
+    place = place_of(rc.parallel, rank)
+    runner = DeepseekV4Runner(rc.model, "meta", place)
+    state = runner.random_weights(0)
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    planned = offline_devices(rc)[rank].peak_non_kv_bytes - rc.plan.activation_allowance_bytes
+    assert held == planned == estimate_peak_non_kv(rc.model, place, 0).weight_bytes_per_device
+    counts = parameter_counts(rc.model.layout)
+    assert held == counts.replicated_bytes + counts.expert_bytes // 16
+    experts = {int(n.split(".")[4]) for n in state if ".ffn.experts." in n}
+    assert experts == set(range(16 * rank, 16 * rank + 16))
+    runner.set_weights(state)            # what it holds is exactly what it loads
+    assert {n for n in runner.params if ".experts." in n} == {n for n in state if ".experts." in n and
+                                                              n.endswith(".weight")}
 
 
 RELEASED_CONFIG = {   # config.json of DeepSeek-V4-Flash as published

@@ -1,4 +1,4 @@
-"""Attention stays on the paths accelerators fuse.
+"""Attention stays on the paths accelerators fuse, for both runners.
 
 - SDPA gets a bool mask or is_causal, never an additive float mask (torch_npu keeps its fused kernel only
   for a bool mask or none). Recorded at the torch-function level: on CPU, torch's composite SDPA turns a
@@ -6,6 +6,9 @@
   passed; an accelerator backend receives the mask as passed.
 - Every index_select / index reads a contiguous tensor (recorded by a TorchDispatchMode, where the real
   source of each op is seen), so no step materializes a strided view of a pool layer.
+- DeepSeek V4 attends with its own softmax (window rows, the indexer's picked compressed rows and a sink
+  logit: no SDPA applies, see npu/dsv4/attention.py): every mask it applies is a bool masked_fill, no
+  -inf tensor is ever added to scores, and its pools are read and written one contiguous layer at a time.
 - On an NPU the runner attends with torch_npu's fused paged-attention kernel (npu.fused_attention); here a
   reference implementation of the kernel's documented semantics stands in for it, and the runner's output
   through it must equal its SDPA path's.
@@ -21,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance.config.compose import load_runtime_config
+from appliance.engine.kv_cache_manager import KvCacheManager
+from npu.deepseek_v4 import DeepseekV4Runner
 from npu.fused_attention import MASK_SIZE, FusedPagedAttention, fused_attention_op
 from npu.qwen3 import Qwen3Runner
 from npu.step import SeqStep, StepBatch
@@ -43,27 +48,55 @@ class SdpaMasks(TorchFunctionMode):
 
 
 class IndexSources(TorchDispatchMode):
-    """For every index_select / index: whether its source is contiguous, and whether it reads pool storage."""
+    """For every index_select / index: whether its source is contiguous, and whether it reads pool storage;
+    for every index_put_ into pool storage: the target's shape and whether it is contiguous."""
 
     def __init__(self, pools):
         super().__init__()
         self.pool_ptrs = {p.untyped_storage().data_ptr() for p in pools}
         self.reads: list[tuple[str, tuple[int, ...], bool, bool]] = []
+        self.pool_writes: list[tuple[tuple[int, ...], bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.__name__.startswith(("index_select", "index.")):
             src = args[0]
             self.reads.append((func.__name__, tuple(src.shape), src.is_contiguous(),
                                src.untyped_storage().data_ptr() in self.pool_ptrs))
+        elif func.__name__.startswith("index_put") and args[0].untyped_storage().data_ptr() in self.pool_ptrs:
+            self.pool_writes.append((tuple(args[0].shape), args[0].is_contiguous()))
         return func(*args, **(kwargs or {}))
+
+
+class MaskOps(TorchDispatchMode):
+    """The mask dtype of every masked_fill, and every add / sub with a float operand holding -inf (an additive
+    mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fill_masks: list[torch.dtype] = []
+        self.additive: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name.startswith("masked_fill"):
+            self.fill_masks.append(args[1].dtype)
+        elif name.split(".")[0] in ("add", "add_", "sub", "sub_"):
+            if any(isinstance(a, torch.Tensor) and a.is_floating_point() and bool(torch.isneginf(a).any())
+                   for a in args[:2]):
+                self.additive.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def loaded(runner_class, model: str):
+    """A runner of `model` on the CPU with its seeded random weights."""
+    r = runner_class(load_runtime_config([f"+model={model}"]).model, "cpu")
+    r.load_weights()
+    return r
 
 
 @pytest.fixture(scope="module")
 def runner():
-    rc = load_runtime_config(["+model=qwen3_tiny"])
-    r = Qwen3Runner(rc.model, "cpu")
-    r.load_weights()
-    return r
+    return loaded(Qwen3Runner, "qwen3_tiny")
 
 
 def cached_history(runner, rng):
@@ -176,3 +209,52 @@ def test_pages_hold_k_then_v_planes(runner):
     kvh, hd = runner.num_kv_heads, runner.head_dim
     v_expected = F.linear(x, w.qkv)[0, -kvh * hd:]        # V takes no norm and no rope: compare it exactly
     assert torch.allclose(v, v_expected, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def dsv4():
+    return loaded(DeepseekV4Runner, "dsv4_tiny")
+
+
+def dsv4_mixed_step(runner, rng) -> StepBatch:
+    """Histories prefilled first on pages a KvCacheManager hands out, then one step with every attention path:
+    decode rows at different contexts (window only, HCA and CSA rows visible), a chunk after cached tokens,
+    and chunks from position 0 of two lengths."""
+    model, tif = runner.model, runner.model.layout.tokens_in_flight
+    kv = KvCacheManager(model.cache_groups, model.layout.block_size, enable_prefix_caching=False)
+    kv.initialize(8 * model.cache_groups[0].max_blocks_per_seq)
+    runner.allocate_pools({s.name: 8 * s.max_blocks_per_seq for s in model.cache_groups}, 1)
+    tokens = {rid: [rng.randrange(3, 500) for _ in range(n)] for rid, n in
+              [("d9", 10), ("d70", 71), ("d200", 201), ("cached", 96), ("f32", 32), ("f32b", 32), ("f5", 5)]}
+    history = {"d9": 9, "d70": 70, "d200": 200, "cached": 64}
+    for rid, done in history.items():
+        for start in range(0, done, tif):
+            n = min(tif, done - start)
+            kv.allocate(rid, tokens[rid], n)
+            runner.execute(StepBatch([SeqStep(rid, tokens[rid][start:start + n], start, kv.block_tables(rid), False)],
+                                     new_pages=kv.take_new_pages()))
+            kv.commit(rid, start + n)
+    seqs = []
+    for rid, ids in tokens.items():
+        start = history.get(rid, 0)
+        kv.allocate(rid, ids, len(ids) - start)
+        seqs.append(SeqStep(rid, ids[start:], start, kv.block_tables(rid)))
+    return StepBatch(seqs, new_pages=kv.take_new_pages())
+
+
+def test_dsv4_masks_are_bool_and_pools_are_read_and_written_one_layer_at_a_time(dsv4):
+    batch = dsv4_mixed_step(dsv4, random.Random(4))
+    masks, sdpa, sources = MaskOps(), SdpaMasks(), IndexSources(dsv4.pools.values())
+    with sdpa, masks, sources:
+        logits = dsv4.execute(batch)
+    assert logits.shape == (len(batch.seqs), dsv4.model.layout.vocab_size) and torch.isfinite(logits).all()
+    assert all(dtype in (None, torch.bool) for dtype, _ in sdpa.calls), sdpa.calls
+    assert masks.fill_masks and set(masks.fill_masks) == {torch.bool} and not masks.additive, masks.additive
+    assert sources.reads and all(contiguous for _, _, contiguous, _ in sources.reads), sources.reads
+    layer_planes = {tuple(p.shape[1:]) for p in dsv4.pools.values()}
+    pool_reads = [shape for _, shape, _, in_pool in sources.reads if in_pool]
+    layers, groups = len(dsv4.ratios), 3                     # query lengths: 1 (decodes), 5, 32 (chunks and cached)
+    assert len(pool_reads) >= layers * 3 and all(shape in layer_planes for shape in pool_reads)   # one layer each
+    assert sources.pool_writes and all(contiguous and shape in layer_planes for shape, contiguous in sources.pool_writes)
+    ori_reads = [shape for shape in pool_reads if shape == tuple(dsv4.pools["ori"].shape[1:])]
+    assert len(ori_reads) == layers * groups                # the window rows: once per layer per query group

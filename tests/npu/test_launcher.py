@@ -170,10 +170,11 @@ def test_tiny_deepseek_v4_starts_on_cpu():
 
 def test_weights_that_cannot_fit_fail_before_the_runner_exists_naming_every_number():
     from appliance.core.estimate import estimate_peak_non_kv
+    from appliance.core.parallel import RankPlace
     from npu.launcher import check_weights_fit
 
     rc = load_runtime_config(["+model=dsv4", "device=npu", "npu_memory_utilization=0.85"])
-    weights = estimate_peak_non_kv(rc.model, 1, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    weights = estimate_peak_non_kv(rc.model, RankPlace.single(), rc.plan.activation_allowance_bytes).weight_bytes_per_device
     totals = [NPU_64G * 8] * 4
     totals[2] = NPU_64G                                     # one small device is enough to refuse
     with pytest.raises(InsufficientMemoryError) as err:
@@ -200,10 +201,11 @@ def test_the_check_counts_the_least_kv_cache_too():
     """Weights that fit alone still fail when no slot of KV cache fits beside them."""
     from appliance.core.estimate import estimate_peak_non_kv
     from appliance.core.kv_cache_spec import bytes_per_slot
+    from appliance.core.parallel import RankPlace
     from npu.launcher import check_weights_fit
 
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "npu_memory_utilization=1.0"])
-    weights = estimate_peak_non_kv(rc.model, 1, 0).weight_bytes_per_device
+    weights = estimate_peak_non_kv(rc.model, RankPlace.single(), 0).weight_bytes_per_device
     need = weights + scratch_bytes(rc.model.cache_groups, rc.decode_batch) + bytes_per_slot(rc.model.cache_groups)
     check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need))
     with pytest.raises(InsufficientMemoryError, match="shortfall                       1 B"):

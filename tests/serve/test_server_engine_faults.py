@@ -93,9 +93,9 @@ def test_a_runner_failing_for_one_request_fails_it_alone(serving, rc, streamed_b
         except grpc.RpcError as exc:
             errors["poison"] = (exc, deltas)
 
-    # A gate request keeps the loop busy; while it is held, all five requests queue, so they are admitted
-    # together and share every step until the failure.
-    gate = client.generate("gate", max_tokens=3, ignore_eos=True)
+    # A gate request keeps the loop stepping (long enough never to finish first: it is cancelled below); while
+    # the loop is held, all five requests queue, so they are admitted together and share every step.
+    gate = client.generate("gate", max_tokens=100, ignore_eos=True)
     next(gate)
     threads = [threading.Thread(target=neighbour, args=(i,)) for i in range(len(prompts))]
     threads.append(threading.Thread(target=poisoned))
@@ -105,7 +105,7 @@ def test_a_runner_failing_for_one_request_fails_it_alone(serving, rc, streamed_b
         wait_for(lambda: engine.num_in_flight() == len(threads) + 1, what="all requests accepted")
     for t in threads:
         t.join(120)
-    list(gate)
+    gate.close()                                                      # cancels the call: its blocks come back
 
     exc, deltas = errors["poison"]
     assert exc.code() == grpc.StatusCode.INTERNAL and "injected runner failure" in exc.details()

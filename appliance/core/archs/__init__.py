@@ -16,12 +16,22 @@ from typing import Any, Callable
 
 from appliance.core.archs import deepseek_v4, deepseek_v4_weights, qwen3
 from appliance.core.archs.hf_config import HfLayout
-from appliance.core.config import Layout, ModelSpec
+from appliance.core.config import Layout, ModelSpec, ParallelSettings
 from appliance.core.errors import ConfigError, ConfigIssue
+from appliance.core.kv_cache_spec import CacheGroupSpec
+from appliance.core.parallel import RankPlace, resolve_parallel
 
 
 def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(cfg)
+
+
+def _same_groups(model: ModelSpec, place: RankPlace) -> tuple[CacheGroupSpec, ...]:
+    return model.cache_groups
+
+
+def _no_rules(layout: Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,11 @@ class Architecture:
     validate: Callable[[ModelSpec], list[ConfigIssue]]     # layout and cache-group rules, with key paths
     parallelism: frozenset[str]                            # among "tensor", "data", "expert"
     config_keys: dict[str, str]                            # checkpoint config.json key -> layout key
+    # Ranks: the checkpoint bytes one rank loads (its shard; the runner loads exactly these tensors), the cache
+    # groups as one rank stores them (tensor parallel keeps only its kv heads), and what the sizes must divide.
+    rank_weight_bytes: Callable[[Layout, RankPlace], int]
+    rank_cache_groups: Callable[[ModelSpec, RankPlace], tuple[CacheGroupSpec, ...]] = _same_groups
+    parallel_rules: Callable[[Layout, ParallelSettings], list[ConfigIssue]] = _no_rules
     config_view: Callable[[dict[str, Any]], dict[str, Any]] = _flat   # config.json -> the keys config_keys names
     config_fixed: dict[str, Any] = field(default_factory=dict)        # config.json keys with one supported value
     # The parameters as released (names, shapes, stored formats), when the arch describes them torch-free:
@@ -45,11 +60,12 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
-                 hf_architectures=qwen3.HF_ARCHITECTURES, layout_from_hf_config=qwen3.layout_from_hf_config,
+                 qwen3.rank_weight_bytes, qwen3.rank_cache_groups, qwen3.parallel_issues, hf_architectures=qwen3.HF_ARCHITECTURES, layout_from_hf_config=qwen3.layout_from_hf_config,
                  cache_groups_for=qwen3.cache_groups_for),
     Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
-                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4.config_view,
-                 deepseek_v4.CONFIG_FIXED, deepseek_v4_weights.parameter_counts,
+                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4_weights.rank_weight_bytes,
+                 config_view=deepseek_v4.config_view, config_fixed=deepseek_v4.CONFIG_FIXED,
+                 parameters=deepseek_v4_weights.parameter_counts,
                  hf_architectures=deepseek_v4.HF_ARCHITECTURES,
                  layout_from_hf_config=deepseek_v4.layout_from_hf_config,
                  cache_groups_for=deepseek_v4.cache_groups_for),
@@ -70,6 +86,20 @@ def architecture_for_hf(names: list[str]) -> Architecture:
         if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
     raise KeyError(f"architectures {names} is not supported; supported: {sorted(HF_ARCHITECTURES)}")
+
+
+def resolve_model_parallel(model: ModelSpec, parallel: ParallelSettings, device_count: int | None
+                           ) -> tuple[ParallelSettings, list[ConfigIssue]]:
+    """The parallel sizes resolved for this model (appliance.core.parallel) and every rule they break, the
+    architecture's own included."""
+    arch = architecture(model.arch)
+    resolved, issues = resolve_parallel(parallel, device_count, arch.parallelism, model.layout.num_experts, arch.name)
+    return resolved, issues or arch.parallel_rules(model.layout, resolved)
+
+
+def rank_cache_groups(model: ModelSpec, place: RankPlace) -> tuple[CacheGroupSpec, ...]:
+    """The cache groups as the rank at `place` stores them (the planner sizes these; its pools hold them)."""
+    return architecture(model.arch).rank_cache_groups(model, place)
 
 
 def check_model(model: ModelSpec) -> None:

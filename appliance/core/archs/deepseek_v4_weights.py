@@ -19,12 +19,14 @@ float32; the hash layers' routing table is int32.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from appliance.core.archs.deepseek_v4 import csa_ratio
 from appliance.core.config import Layout
 from appliance.core.kv_cache_spec import DTYPE_BYTES
+from appliance.core.parallel import RankPlace
 
 FP8, FP4, SCALE = "float8_e4m3fn", "float4_e2m1fn_x2", "float8_e8m0fnu"
 FP4_BLOCK = 32          # FP4 values per ue8m0 scale, along a row
@@ -39,6 +41,7 @@ class Weight:
     format: str                # dense | float32 | int32 | fp8 | fp4
     expert: bool = False       # a routed expert's: divided over expert-parallel ranks, active only when routed to
     mtp: bool = False          # an MTP layer's: loaded and held, not served
+    expert_id: int = -1        # a routed expert's: which one (the ranks of an expert group each hold a range)
 
     @property
     def numel(self) -> int:
@@ -97,8 +100,8 @@ def layer_weights(layout: Layout, prefix: str, layer: int, mtp: bool = False) ->
     expert = {"fp4": "fp4", "fp8": "fp8"}.get(lay.expert_dtype or "", "dense")
     out: list[Weight] = []
 
-    def add(name: str, shape: tuple[int, ...], fmt: str, is_expert: bool = False) -> None:
-        out.append(Weight(prefix + name, shape, fmt, is_expert, mtp))
+    def add(name: str, shape: tuple[int, ...], fmt: str, expert_id: int = -1) -> None:
+        out.append(Weight(prefix + name, shape, fmt, expert_id >= 0, mtp, expert_id))
 
     def compressor(at: str, width: int, overlap: bool) -> None:
         coff = 2 if overlap else 1
@@ -133,9 +136,9 @@ def layer_weights(layout: Layout, prefix: str, layer: int, mtp: bool = False) ->
     else:
         add("ffn.gate.bias", (E,), "float32")
     for e in range(E):
-        add(f"ffn.experts.{e}.w1.weight", (inter, D), expert, True)
-        add(f"ffn.experts.{e}.w2.weight", (D, inter), expert, True)
-        add(f"ffn.experts.{e}.w3.weight", (inter, D), expert, True)
+        add(f"ffn.experts.{e}.w1.weight", (inter, D), expert, e)
+        add(f"ffn.experts.{e}.w2.weight", (D, inter), expert, e)
+        add(f"ffn.experts.{e}.w3.weight", (inter, D), expert, e)
     for name, shape in (("w1", (inter, D)), ("w2", (D, inter)), ("w3", (inter, D))):
         add(f"ffn.shared_experts.{name}.weight", shape, linear)
     return out
@@ -174,6 +177,33 @@ def model_weights(layout: Layout) -> list[Weight]:
 def checkpoint_tensors(layout: Layout) -> list[StoredTensor]:
     """Every tensor a checkpoint of this layout holds, as stored."""
     return [t for w in model_weights(layout) for t in stored_tensors(w, layout)]
+
+
+def rank_weights(layout: Layout, place: RankPlace) -> list[Weight]:
+    """The weights one rank holds: everything but the routed experts (attention, shared expert, router, embedding
+    and head are replicated over data-parallel ranks), plus its expert-parallel slice of the routed experts."""
+    mine = place.experts(layout.num_experts)
+    return [w for w in model_weights(layout) if not w.expert or w.expert_id in mine]
+
+
+def rank_weight_bytes(layout: Layout, place: RankPlace) -> int:
+    """Checkpoint bytes of the tensors one rank loads (rank_weights, as stored)."""
+    replicated, per_expert = _bytes_by_expert(layout)
+    return replicated + sum(per_expert.get(e, 0) for e in place.experts(layout.num_experts))
+
+
+@functools.cache
+def _bytes_by_expert(layout: Layout) -> tuple[int, dict[int, int]]:
+    """(bytes every rank holds, bytes of each routed expert over all layers): the full layout has some 70,000
+    tensors, and a plan asks this for every rank, so the description is walked once per layout."""
+    replicated, per_expert = 0, {}
+    for w in model_weights(layout):
+        nbytes = sum(t.nbytes for t in stored_tensors(w, layout))
+        if w.expert:
+            per_expert[w.expert_id] = per_expert.get(w.expert_id, 0) + nbytes
+        else:
+            replicated += nbytes
+    return replicated, per_expert
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""The owner's handle on every rank: starts them, and runs each step on all of them as one runner would.
+
+    group, report = start_ranks(rc, backend, runner)      # every rank loaded, profiled, agreed, allocated
+    logits = group.execute_partitions(batches)           # one StepBatch per data-parallel rank
+
+The engine talks to this object as it talks to a ModelRunner (execute, device, shutdown), plus
+execute_partitions for data parallel, so the scheduler never sees processes. On one host the owner spawns
+ranks 1..world-1 itself (LocalRanks) and hosts their rendezvous store; under torchrun the ranks exist already
+and meet through torchrun's environment (env://).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.parallel import RankPlace, place_of, world_size
+from appliance.core.startup_report import StartupReport
+from npu.backends import Backend
+from npu.launcher import launch
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
+from npu.runner import ModelRunner
+from npu.step import StepBatch
+from npu.worker import STOP, run_step
+
+log = logging.getLogger("npu.device_group")
+
+STOP_WAIT_S = 30.0       # how long stopped ranks may take to exit before they are terminated
+
+
+class LocalRanks:
+    """Ranks 1..world-1 as processes of this host, each a fresh `python -m npu.worker` (its own torch, its own
+    device: local index = rank) that reads the RuntimeConfig from its stdin. Not multiprocessing's spawn: that
+    re-imports the caller's main module, which a script using the offline API may not guard."""
+
+    def __init__(self, rc: RuntimeConfig, world: int, port: int):
+        env = dict(os.environ)
+        source = str(Path(__file__).resolve().parents[1])        # the code this process runs, for the ranks too
+        env["PYTHONPATH"] = os.pathsep.join([source] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        config = pickle.dumps(rc)
+        self.procs = []
+        for rank in range(1, world):
+            proc = subprocess.Popen([sys.executable, "-m", "npu.worker", str(rank), str(world), str(port),
+                                     str(os.getpid())], stdin=subprocess.PIPE, env=env)
+            proc.stdin.write(config)
+            proc.stdin.close()
+            self.procs.append(proc)
+        log.info("spawned ranks 1..%d: pids %s", world - 1, self.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def exited(self) -> str:
+        """Which spawned rank has already exited ('' when all run): while joining, that is a failure."""
+        gone = [(rank, p.poll()) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        return "; ".join(f"rank {rank} exited with status {code} before joining (its output says why)"
+                         for rank, code in gone)
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Wait for the ranks to exit (after STOP), then terminate, then kill whatever is left."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank process %d did not exit; terminating it", p.pid)
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class DeviceGroup:
+    """Every rank, driven by the owner: one step on all of them per call."""
+
+    def __init__(self, runner: ModelRunner, group: RankGroup, ranks: LocalRanks | None):
+        self.runner = runner
+        self.group = group
+        self.ranks = ranks
+        self.failure: str | None = None      # once a step fails the ranks are out of lockstep: every later one fails
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def place(self) -> RankPlace:
+        return self.group.place
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One step of a single data-parallel rank (tensor parallel only): the runner interface."""
+        return self.execute_partitions([batch])
+
+    def execute_partitions(self, batches: Sequence[StepBatch]) -> torch.Tensor:
+        """One step on every rank, batches[d] on data-parallel rank d; the sampled logits of every batch, in
+        batch order."""
+        if self.failure is not None:
+            raise RuntimeError(f"the ranks stopped stepping together after an earlier failure: {self.failure}")
+        try:
+            self.group.send(list(batches))
+            return run_step(self.runner, self.group, batches)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def shutdown(self) -> None:
+        """Stop every rank (they free their pools and exit), then free this rank's."""
+        if self.failure is None:
+            try:
+                self.group.send(STOP)
+            except RuntimeError as exc:      # a rank is gone already
+                log.warning("stopping the ranks: %s", exc)
+        if self.ranks is not None:
+            self.ranks.stop()
+        self.group.close()
+        self.runner.shutdown()
+
+
+def start_ranks(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> tuple[DeviceGroup, StartupReport]:
+    """Start every rank (spawned here, or torchrun's), and launch with all of them: this process is the owner,
+    whose backend and runner the preflight already opened and checked."""
+    world, timeout = world_size(rc.parallel), rc.parallel.startup_timeout_s
+    rdv = Rendezvous.from_environment()
+    ranks: LocalRanks | None = None
+    group: RankGroup | None = None
+    try:
+        if rdv is None:
+            store = host_store(world, timeout)
+            ranks = LocalRanks(rc, world, store.port)
+            rank = 0
+        else:
+            rdv.check_world(world)
+            store, rank = connect_store(rdv, timeout), rdv.rank
+        board = StartupBoard(store, rank, world)
+        group = RankGroup(place_of(rc.parallel, rank), board, backend.torch_device(0).type, timeout,
+                          watch=ranks.exited if ranks is not None else None)
+        runner, report = launch(rc, backend, runner, group)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop(wait_s=0)
+        if group is not None:
+            group.close()
+        raise
+    return DeviceGroup(runner, group, ranks), report
