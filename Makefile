@@ -28,7 +28,7 @@ REQUEST_TESTS ?= tests/core/test_request.py tests/core/test_request_limits.py
 SAMPLER_TESTS ?= tests/npu/test_sampler.py tests/npu/test_sampler_rows.py
 LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py tests/engine/test_loop_rules.py
 SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \
-	tests/engine/test_scheduler_edges.py
+	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py
 KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_manager_props.py \
 	tests/engine/test_page_table.py tests/engine/test_kv_pages.py
 PLANNER_TESTS ?= tests/core/test_planner.py tests/npu/test_launcher.py tests/core/test_planner_groups.py
