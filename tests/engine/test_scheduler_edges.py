@@ -78,3 +78,14 @@ def test_the_waiting_head_is_not_looked_up_while_running_requests_use_the_whole_
     for _ in range(2):                          # [32, 64) and [64, 96) take the whole budget
         assert [item.num_new_tokens for item in d.step()] == [32]
     assert d.kv.prefix_stats.queries == 1
+
+
+def test_a_request_arriving_while_others_run_takes_the_last_running_slot():
+    """max_num_seqs 2 with one request already running: the next arrival is admitted at once, the one after it
+    waits until a running request finishes."""
+    d = Driver(blocks=16, decode_batch=2, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    first = d.add([3] * 4, 2)
+    d.step()
+    second, third = d.add([4] * 4, 5), d.add([5] * 4, 5)
+    assert [item.seq for item in d.step()] == [first, second]
+    assert list(d.sched.waiting) == [third]
