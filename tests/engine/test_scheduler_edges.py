@@ -89,3 +89,14 @@ def test_a_request_arriving_while_others_run_takes_the_last_running_slot():
     second, third = d.add([4] * 4, 5), d.add([5] * 4, 5)
     assert [item.seq for item in d.step()] == [first, second]
     assert list(d.sched.waiting) == [third]
+
+
+def test_the_waiting_head_is_not_looked_up_while_max_num_seqs_requests_run():
+    """The same for a full running set: with max_num_seqs running, a step makes no prefix-cache query."""
+    d = Driver(blocks=32, decode_batch=2, max_num_seqs=1, max_num_batched_tokens=64, enable_prefix_caching=True)
+    first = d.add([8] * 8, 4)
+    d.step()
+    d.add([9] * 8, 3)
+    for _ in range(2):
+        assert [item.seq for item in d.step()] == [first]
+    assert d.kv.prefix_stats.queries == 1
