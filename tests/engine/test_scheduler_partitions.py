@@ -84,3 +84,13 @@ def test_a_preemption_on_one_partition_leaves_the_other_partitions_step_whole():
             break
     assert r2.num_preemptions == 1
     assert sorted((item.seq.request_id, item.num_new_tokens) for item in step) == [("r0", 1), ("r1", 1), ("r3", 1)]
+
+
+def test_without_prefix_caching_requests_are_still_placed_on_the_least_loaded_partition():
+    """enable_prefix_caching off in the config: no prefix lookup places the request, the scheduler places it."""
+    kv, sched = setup(64, max_num_seqs=2, decode_batch=1, max_num_batched_tokens=32, enable_prefix_caching=False)
+    seqs = [add(sched, f"r{i}", 10) for i in range(5)]
+    first = sched.schedule()
+    assert {item.seq.request_id: kv.partition_of(item.seq.request_id) for item in first} == {
+        "r0": 0, "r1": 1, "r2": 0, "r3": 1}
+    assert seqs[4].status is SeqStatus.WAITING and kv.prefix_stats.queries == 0
