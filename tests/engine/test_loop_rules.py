@@ -11,11 +11,14 @@ so the text is known; expected figures come from the tokenizer's plain decode an
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 
-from appliance.core.request import FinishReason, SamplingParams
-from tests.engine.test_stop_rules import TEXT, engine, generate, pieces  # noqa: F401 - engine is a fixture
+from appliance.config.compose import load_runtime_config
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams
+from tests.engine.instrumented import HookedEngine, ScriptedRunner
+from tests.engine.test_stop_rules import PROMPT_TEXT, TEXT, engine, generate, pieces  # noqa: F401 - a fixture
 
 
 def delta_boundaries(tokenizer, ids: list[int]) -> list[int]:
@@ -67,3 +70,46 @@ def test_the_earliest_of_two_overlapping_matches_in_one_window_is_the_cut(engine
     deltas = generate(engine, [before, doubled], SamplingParams(max_tokens=2, stop=(c + c,)))
     assert deltas[-1].finish_reason is FinishReason.STOP
     assert "".join(d.new_text for d in deltas) == texts[before][:-1]
+
+
+def test_an_abort_sent_from_the_first_delta_ends_the_request_at_the_next_step(engine):  # noqa: F811
+    """The abort is queued before the next step (the delta callback runs on the loop thread), so the request
+    ends ABORTED there with no further token, and gives every block back."""
+    tok = engine.tokenizer
+    ids = tok.encode(TEXT)
+    prompt = tok.encode(PROMPT_TEXT)
+    engine.test_runner.script("aborted-early", prompt, ids)
+    deltas: list[RequestOutput] = []
+    done = threading.Event()
+
+    def on_output(out: RequestOutput) -> None:
+        deltas.append(out)
+        if len(deltas) == 1:
+            engine.abort("aborted-early")
+        if out.finished:
+            done.set()
+
+    engine.submit("aborted-early", prompt, SamplingParams(max_tokens=len(ids)), on_output)
+    assert done.wait(timeout=60)
+    assert [d.finish_reason for d in deltas] == [None, FinishReason.ABORTED]
+    assert [t for d in deltas for t in d.new_token_ids] == ids[:1]
+    assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+
+
+def test_a_finished_request_gets_no_second_final_output_at_shutdown():
+    """The loop forgets a request once it finished: shutting the engine down aborts only what still runs."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2"])
+    eng = HookedEngine(rc, ScriptedRunner(rc.model))
+    eng.start()
+    try:
+        prompt = eng.tokenizer.encode(PROMPT_TEXT)
+        ids = eng.tokenizer.encode(TEXT)[:3]
+        eng.test_runner.script("finished", prompt, ids)
+        handle = eng.submit("finished", prompt, SamplingParams(max_tokens=len(ids)))
+        deltas = [handle.outputs.get(timeout=60)]
+        while not deltas[-1].finished:
+            deltas.append(handle.outputs.get(timeout=60))
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        eng.shutdown()
+    assert handle.outputs.empty()
