@@ -92,6 +92,7 @@ def test_an_abort_sent_from_the_first_delta_ends_the_request_at_the_next_step(en
     engine.submit("aborted-early", prompt, SamplingParams(max_tokens=len(ids)), on_output)
     assert done.wait(timeout=60)
     assert [d.finish_reason for d in deltas] == [None, FinishReason.ABORTED]
+    assert deltas[-1].new_text == "" and deltas[-1].new_token_ids == ()
     assert [t for d in deltas for t in d.new_token_ids] == ids[:1]
     assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
 
@@ -113,3 +114,18 @@ def test_a_finished_request_gets_no_second_final_output_at_shutdown():
     finally:
         eng.shutdown()
     assert handle.outputs.empty()
+
+
+def test_a_seeded_request_draws_the_same_tokens_when_its_id_is_reused(engine):  # noqa: F811
+    """A finished request's generator is dropped: the same id with the same seed starts the same stream again.
+    Unscripted, the runner's logits are flat but for one token, so temperature 100 draws all over the vocabulary."""
+    prompt = engine.tokenizer.encode(PROMPT_TEXT)
+    params = SamplingParams(max_tokens=8, temperature=100.0, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        handle = engine.submit("reused-id", prompt, params)
+        deltas = [handle.outputs.get(timeout=60)]
+        while not deltas[-1].finished:
+            deltas.append(handle.outputs.get(timeout=60))
+        runs.append([t for d in deltas for t in d.new_token_ids])
+    assert len(set(runs[0])) > 1 and runs[0] == runs[1]
