@@ -129,3 +129,14 @@ def test_a_seeded_request_draws_the_same_tokens_when_its_id_is_reused(engine):  
             deltas.append(handle.outputs.get(timeout=60))
         runs.append([t for d in deltas for t in d.new_token_ids])
     assert len(set(runs[0])) > 1 and runs[0] == runs[1]
+
+
+def test_each_finished_request_is_counted_under_its_finish_reason(engine):  # noqa: F811
+    """/metrics' finished-requests counter, by reason: one stop string, one length."""
+    tok = engine.tokenizer
+    ids = tok.encode(TEXT)
+    before = engine.stats().finished
+    generate(engine, ids, SamplingParams(max_tokens=len(ids), stop=("scarce",)))
+    generate(engine, ids[:2], SamplingParams(max_tokens=2))
+    after = engine.stats().finished
+    assert {reason: after[reason] - before.get(reason, 0) for reason in after} == {"stop": 1, "length": 1}
