@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -132,11 +133,17 @@ def test_a_seeded_request_draws_the_same_tokens_when_its_id_is_reused(engine):  
 
 
 def test_each_finished_request_is_counted_under_its_finish_reason(engine):  # noqa: F811
-    """/metrics' finished-requests counter, by reason: one stop string, one length."""
+    """/metrics' finished-requests counter, by reason: one stop string, one length; and their end-to-end
+    latencies, which together cannot exceed the time both requests took."""
     tok = engine.tokenizer
     ids = tok.encode(TEXT)
-    before = engine.stats().finished
+    before = engine.stats()
+    started = time.monotonic()
     generate(engine, ids, SamplingParams(max_tokens=len(ids), stop=("scarce",)))
     generate(engine, ids[:2], SamplingParams(max_tokens=2))
-    after = engine.stats().finished
-    assert {reason: after[reason] - before.get(reason, 0) for reason in after} == {"stop": 1, "length": 1}
+    elapsed = time.monotonic() - started
+    after = engine.stats()
+    assert {reason: n - before.finished.get(reason, 0) for reason, n in after.finished.items()} == {
+        "stop": 1, "length": 1}
+    assert after.e2e_request_latency.count - before.e2e_request_latency.count == 2
+    assert 0 < after.e2e_request_latency.sum - before.e2e_request_latency.sum <= elapsed
