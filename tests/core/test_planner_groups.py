@@ -58,3 +58,12 @@ def test_an_unexplained_failure_of_a_small_plan_gives_back_exactly_one_slot(dsv4
     devs = [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)]
     p = plan(dsv4.model.cache_groups, devs, num_slots_override=5)
     assert slots_that_fit(p, devs, [64 * GiB], [0]) == 4
+
+
+def test_plan_for_config_counts_every_data_parallel_rank_in_max_concurrency():
+    """Each data-parallel rank holds its own pools: two ranks serve twice one device's capacity slots."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.data_parallel_size=2"])
+    devices = [DeviceMemory(f"cpu:{i}", 8 * GiB, 8 * GiB, 1 * GiB) for i in range(2)]
+    p = plan_for_config(rc, devices)
+    assert p.data_parallel_size == 2 and p.capacity_slots > 0
+    assert p.max_concurrency == 2 * p.capacity_slots
