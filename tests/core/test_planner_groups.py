@@ -67,3 +67,17 @@ def test_plan_for_config_counts_every_data_parallel_rank_in_max_concurrency():
     p = plan_for_config(rc, devices)
     assert p.data_parallel_size == 2 and p.capacity_slots > 0
     assert p.max_concurrency == 2 * p.capacity_slots
+
+
+def test_plan_for_config_applies_the_configured_slot_override_unless_the_launcher_gives_one():
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "kv_cache.num_slots_override=3"])
+    devices = [DeviceMemory("cpu:0", 8 * GiB, 8 * GiB, 1 * GiB)]
+    assert plan_for_config(rc, devices).override == "num_slots_override=3"
+    assert plan_for_config(rc, devices).capacity_slots == 3
+    assert plan_for_config(rc, devices, num_slots_override=2).capacity_slots == 2
+
+
+def test_a_plan_without_devices_is_refused():
+    with pytest.raises(ValueError) as info:
+        plan([], [])
+    assert str(info.value) == "plan_capacity needs at least one device"
