@@ -81,3 +81,15 @@ def test_a_plan_without_devices_is_refused():
     with pytest.raises(ValueError) as info:
         plan([], [])
     assert str(info.value) == "plan_capacity needs at least one device"
+
+
+@pytest.mark.parametrize("utilization", [0.0, 1.5])
+def test_a_utilization_outside_0_to_1_is_refused_before_any_sizing(dsv4, utilization):
+    with pytest.raises(ValueError) as info:
+        plan(dsv4.model.cache_groups, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)], utilization=utilization)
+    assert str(info.value) == f"utilization {utilization!r} must be in (0, 1]"
+
+
+def test_a_utilization_of_exactly_1_is_allowed(dsv4):
+    p = plan(dsv4.model.cache_groups, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)], utilization=1.0)
+    assert p.devices[0].usable_bytes == 64 * GiB
