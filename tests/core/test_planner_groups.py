@@ -4,7 +4,14 @@ mutants docs/TESTING.md lists: each asserts a figure the startup table or the la
 import pytest
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.planner import DeviceMemory, plan_capacity, plan_for_config, slots_that_fit
+from appliance.core.planner import (
+    DeviceMemory,
+    InsufficientMemoryError,
+    format_bytes,
+    plan_capacity,
+    plan_for_config,
+    slots_that_fit,
+)
 
 GiB = 1 << 30
 
@@ -93,3 +100,24 @@ def test_a_utilization_outside_0_to_1_is_refused_before_any_sizing(dsv4, utiliza
 def test_a_utilization_of_exactly_1_is_allowed(dsv4):
     p = plan(dsv4.model.cache_groups, [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)], utilization=1.0)
     assert p.devices[0].usable_bytes == 64 * GiB
+
+
+def test_a_device_without_room_for_kv_says_what_exceeds_and_by_how_much(dsv4):
+    """10 GiB x 0.5 usable: a 6 GiB peak alone exceeds it by 1 GiB; a 4.5 GiB peak with a 1 GiB margin by 0.5 GiB."""
+    specs = dsv4.model.cache_groups
+    for peak, margin, words in ((6 * GiB, 0, "peak_non_kv alone exceeds"),
+                                (9 * GiB // 2, 1 * GiB, "peak_non_kv + the non-torch margin exceed")):
+        with pytest.raises(InsufficientMemoryError) as info:
+            plan(specs, [DeviceMemory("npu:0", 10 * GiB, 10 * GiB, peak, margin)], utilization=0.5)
+        over = peak + margin - 5 * GiB
+        assert f"utilization 0.5: {words} total x utilization ({format_bytes(5 * GiB)}) by {format_bytes(over)}; " \
+            in str(info.value)
+
+
+def test_a_kv_cache_memory_equal_to_the_budget_is_allowed_one_byte_more_is_refused(dsv4):
+    specs, dev = dsv4.model.cache_groups, DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)
+    budget = plan(specs, [dev]).budget_bytes
+    assert plan(specs, [dev], kv_cache_memory_bytes=budget).budget_bytes == budget
+    with pytest.raises(InsufficientMemoryError) as info:
+        plan(specs, [dev], kv_cache_memory_bytes=budget + 1)
+    assert f"exceeds the budget {format_bytes(budget)} by {format_bytes(1)}." in str(info.value)
