@@ -40,6 +40,7 @@ def test_each_group_row_describes_its_spec_and_its_share_of_the_budget(dsv4):
     assert sum(g.share_of_budget for g in p.groups) == pytest.approx(p.kv_cache_bytes / p.budget_bytes)
     assert p.kv_cache_bytes + p.scratch_bytes + p.unused_bytes == p.budget_bytes
     assert p.to_dict()["groups"][0]["num_blocks"] == p.groups[0].num_blocks
+    assert p.to_dict()["override"] is None             # nothing pinned: null in mode=plan's JSON
 
 
 def test_plan_for_config_applies_the_configured_kv_cache_memory(dsv4):
