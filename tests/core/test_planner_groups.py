@@ -122,3 +122,16 @@ def test_a_kv_cache_memory_equal_to_the_budget_is_allowed_one_byte_more_is_refus
     with pytest.raises(InsufficientMemoryError) as info:
         plan(specs, [dev], kv_cache_memory_bytes=budget + 1)
     assert f"exceeds the budget {format_bytes(budget)} by {format_bytes(1)}." in str(info.value)
+
+
+def test_a_slot_override_that_fills_the_budget_exactly_is_allowed_one_more_is_refused(dsv4):
+    specs, dev = dsv4.model.cache_groups, DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)
+    first = plan(specs, [dev])
+    assert (first.utilization, first.decode_batch) == (0.9, 8)          # the plan records what it was sized for
+    n, scratch, slot = first.capacity_slots, first.scratch_bytes, first.bytes_per_slot
+    exact = plan(specs, [dev], kv_cache_memory_bytes=scratch + n * slot, num_slots_override=n)
+    assert exact.capacity_slots == n and exact.unused_bytes == 0
+    with pytest.raises(InsufficientMemoryError) as info:
+        plan(specs, [dev], kv_cache_memory_bytes=scratch + n * slot, num_slots_override=n + 1)
+    assert (f"num_slots_override {n + 1} needs {format_bytes(scratch + (n + 1) * slot)} but the budget is "
+            f"{format_bytes(scratch + n * slot)}; at most {n} slots fit") in str(info.value)
