@@ -127,7 +127,8 @@ def test_a_kv_cache_memory_equal_to_the_budget_is_allowed_one_byte_more_is_refus
 def test_a_slot_override_that_fills_the_budget_exactly_is_allowed_one_more_is_refused(dsv4):
     specs, dev = dsv4.model.cache_groups, DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB)
     first = plan(specs, [dev])
-    assert (first.utilization, first.decode_batch) == (0.9, 8)          # the plan records what it was sized for
+    # The plan records what it was sized for.
+    assert (first.utilization, first.decode_batch, first.max_model_len, first.block_size) == (0.9, 8, 8192, 128)
     n, scratch, slot = first.capacity_slots, first.scratch_bytes, first.bytes_per_slot
     exact = plan(specs, [dev], kv_cache_memory_bytes=scratch + n * slot, num_slots_override=n)
     assert exact.capacity_slots == n and exact.unused_bytes == 0
