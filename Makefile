@@ -1,6 +1,6 @@
 PYTHON ?= python
 
-.PHONY: install test proto bench bench-all clean
+.PHONY: install test proto bench bench-all clean mutation
 
 # The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build.
 install:
@@ -22,5 +22,51 @@ bench:
 bench-all:
 	$(PYTHON) bench/run_all.py $(BENCH_ARGS)
 
+# Mutation testing (docs/TESTING.md): hours of CPU, so never part of `make test` or CI. One module at a time
+# (`make mutation-sampler` runs one), each mutant against the fast tests written for its module (the
+# *_TESTS lists, node-id prefixes; override one to compare test sets) and ended after MUTATION_TIMEOUT_S
+# (tests/mutation_selection.py); the mutmut config is [tool.mutmut] in pyproject.toml. `mutmut results`
+# lists the survivors, `mutmut show NAME` shows one.
+MUTATION_JOBS ?= 2
+MUTMUT = mutmut run --max-children $(MUTATION_JOBS)
+REQUEST_TESTS ?= tests/core/test_request.py tests/core/test_request_limits.py
+SAMPLER_TESTS ?= tests/npu/test_sampler.py tests/npu/test_sampler_rows.py
+LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py tests/engine/test_loop_rules.py
+SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \
+	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py
+KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_manager_props.py \
+	tests/engine/test_page_table.py tests/engine/test_kv_pages.py
+PLANNER_TESTS ?= tests/core/test_planner.py tests/npu/test_launcher.py tests/core/test_planner_groups.py
+SPEC_TESTS ?= tests/core $(KV_TESTS)
+QWEN3_TESTS ?= tests/npu/test_qwen3_oracle.py tests/npu/test_fused_paths.py
+DSV4_TESTS ?= tests/npu/test_dsv4_oracle.py tests/npu/test_dsv4_parts.py
+MUTATION_MODULES = request sampler loop scheduler kv planner spec qwen3 dsv4
+.PHONY: $(addprefix mutation-,$(MUTATION_MODULES))
+mutation: $(addprefix mutation-,$(MUTATION_MODULES))
+	mutmut results
+mutation-request:
+	MUTATION_TIMEOUT_S=60 MUTATION_TESTS="$(REQUEST_TESTS)" $(MUTMUT) 'appliance.core.request.*'
+mutation-sampler:
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SAMPLER_TESTS)" $(MUTMUT) 'npu.sampler.*'
+mutation-loop:       # the stop rules and the step around them, not startup or the thread plumbing
+	MUTATION_TIMEOUT_S=45 MUTATION_TESTS="$(LOOP_TESTS)" $(MUTMUT) 'appliance.engine.loop.xǁEngineǁ_append__*' \
+		'appliance.engine.loop.xǁEngineǁ_finish__*' 'appliance.engine.loop.xǁEngineǁ_execute__*' \
+		'appliance.engine.loop.xǁEngineǁ_run_step__*'
+mutation-scheduler:
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SCHEDULER_TESTS)" $(MUTMUT) 'appliance.engine.scheduler.*'
+mutation-kv:
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(KV_TESTS)" \
+		$(MUTMUT) 'appliance.engine.block_pool.*' 'appliance.engine.page_table.*' 'appliance.engine.kv_cache_manager.*'
+mutation-planner:
+	MUTATION_TIMEOUT_S=60 MUTATION_TESTS="$(PLANNER_TESTS)" $(MUTMUT) 'appliance.core.planner.*'
+mutation-spec:
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SPEC_TESTS)" $(MUTMUT) 'appliance.core.kv_cache_spec.*'
+mutation-qwen3:      # the paged indexing: block tables to rows, decode buckets, fused-step metadata
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(QWEN3_TESTS)" $(MUTMUT) 'npu.qwen3.xǁ_StepMetaǁbuild__*' \
+		'npu.qwen3.x_decode_buckets__*' 'npu.qwen3.x__fused_step__*' 'npu.qwen3.xǁQwen3Runnerǁ_gather__*' \
+		'npu.qwen3.xǁQwen3Runnerǁ_row_offsets__*'
+mutation-dsv4:       # DeepSeek V4's paged rows
+	MUTATION_TIMEOUT_S=180 MUTATION_TESTS="$(DSV4_TESTS)" $(MUTMUT) 'npu.dsv4.paging.*'
+
 clean:
-	rm -rf outputs multirun .pytest_cache build *.egg-info
+	rm -rf outputs multirun .pytest_cache build *.egg-info mutants

@@ -69,3 +69,28 @@ def test_preemption_takes_the_newest_request_of_the_partition_that_ran_out():
     assert r2.status is SeqStatus.WAITING and r0.num_computed_tokens > 16   # the newest of partition 0 went ...
     assert r3.status is SeqStatus.RUNNING and r3.num_preemptions == 0   # ... not the newest overall
     assert r0.status is SeqStatus.RUNNING and r1.status is SeqStatus.RUNNING
+
+
+def test_a_preemption_on_one_partition_leaves_the_other_partitions_step_whole():
+    """The step that preempts r2 (partition 0) still runs r3, which comes after r2 in arrival order but lives on
+    partition 1: a preempted request is passed over, not the end of the step."""
+    kv, sched = setup(4, max_num_seqs=4, decode_batch=4, max_num_batched_tokens=64)
+    r0, r1, r2, r3 = (add(sched, f"r{i}", n) for i, n in enumerate((8, 8, 40, 8)))
+    apply(kv, sched.schedule())
+    for _ in range(20):
+        step = sched.schedule()
+        apply(kv, step)
+        if r2.num_preemptions:
+            break
+    assert r2.num_preemptions == 1
+    assert sorted((item.seq.request_id, item.num_new_tokens) for item in step) == [("r0", 1), ("r1", 1), ("r3", 1)]
+
+
+def test_without_prefix_caching_requests_are_still_placed_on_the_least_loaded_partition():
+    """enable_prefix_caching off in the config: no prefix lookup places the request, the scheduler places it."""
+    kv, sched = setup(64, max_num_seqs=2, decode_batch=1, max_num_batched_tokens=32, enable_prefix_caching=False)
+    seqs = [add(sched, f"r{i}", 10) for i in range(5)]
+    first = sched.schedule()
+    assert {item.seq.request_id: kv.partition_of(item.seq.request_id) for item in first} == {
+        "r0": 0, "r1": 1, "r2": 0, "r3": 1}
+    assert seqs[4].status is SeqStatus.WAITING and kv.prefix_stats.queries == 0

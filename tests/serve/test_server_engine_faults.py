@@ -26,7 +26,7 @@ from tests.serve.harness import (
 )
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "max_model_len=128", "max_num_seqs=8", "decode_batch=8",
-             "kv_cache.num_slots_override=8", "server.port=0", "server.grace_period_s=5"]
+             "kv_cache.num_slots_override=8", "server.port=0", "server.http_port=0", "server.grace_period_s=5"]
 NEIGHBOUR_TOKENS = 24
 
 
