@@ -73,10 +73,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             from npu.ranks import Rendezvous
             rdv = Rendezvous.from_environment()
             if rdv is not None and rdv.rank != 0:      # under torchrun: not the owner, one of its ranks
+                from npu.ranks import leave_process
                 from npu.worker import run_rank
                 status = run_rank(rc, rdv)
                 if status:
-                    sys.exit(status)
+                    leave_process(status)
                 return {"status": "ok", "mode": rc.mode, "rank": rdv.rank}
         if rc.mode == "bench":
             from appliance.modes.bench import run_bench
@@ -91,7 +92,16 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         write_result(out, "result.json", result)
         if _is_multirun():
             return result
+        if _in_process_group():         # the owner of failed ranks: leave as they do (npu.ranks.leave_process)
+            from npu.ranks import leave_process
+            leave_process(EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
+
+
+def _in_process_group() -> bool:
+    """Whether this process joined torch.distributed ranks (checked without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")

@@ -25,10 +25,11 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,18 @@ def connect_store(rdv: Rendezvous, timeout_s: float) -> dist.Store:
         raise RankStartupError(f"rank {rdv.rank}: cannot reach the rendezvous at {rdv.host}:{rdv.port} within "
                                f"{timeout_s:g} s ({first_line(exc)}). Fix: start rank 0 (it hosts the group), check "
                                f"MASTER_ADDR / MASTER_PORT and the network between hosts") from None
+
+
+def leave_process(status: int) -> NoReturn:
+    """End this rank's process now with `status`, its output flushed, without the interpreter's teardown.
+
+    After a failed startup the process group may still hold gloo's threads in a collective a vanished peer
+    never answers; tearing them down at exit can abort ("terminate called without an active exception"),
+    turning exit 2 into SIGABRT. No state of a rank outlives its process, so nothing is lost by skipping it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def first_line(exc: BaseException) -> str:

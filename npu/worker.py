@@ -27,7 +27,7 @@ from appliance.core.config import RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of, world_size
 from npu.launcher import launch, prepare_rank
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, leave_process
 from npu.runner import ModelRunner
 from npu.step import StepBatch
 
@@ -113,4 +113,4 @@ def spawned_rank(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(spawned_rank(sys.argv[1:]))
+    leave_process(spawned_rank(sys.argv[1:]))

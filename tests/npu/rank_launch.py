@@ -21,7 +21,7 @@ from appliance.serve.convert import startup_response
 from npu.fake import FakeBackend, FakeMemoryProbe
 from npu.launcher import launch
 from npu.qwen3 import Qwen3Runner
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store, leave_process
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.tensor_parallel_size=2",
              "device.cpu_threads=1"]
@@ -60,4 +60,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave_process(main(sys.argv[1:]))
