@@ -93,17 +93,11 @@ def run_appliance(overrides: list[str], prompts: list[list[int]]):
     return [r.token_ids for r in results]
 
 
-def test_qwen3_engine_greedy_equals_transformers_generate(tmp_path, one_torch_thread):
-    model = load_runtime_config(["+model=qwen3_tiny"]).model
-    checkpoint = write_tiny_checkpoint(tmp_path / "qwen3", model, seed=11, std=0.1)
+@pytest.mark.parametrize("name, seed, oracle", [("qwen3_tiny", 11, "Qwen3ForCausalLM"),
+                                                 ("dsv4_tiny", 12, "DeepseekV4ForCausalLM")])
+def test_engine_greedy_equals_transformers_generate(name, seed, oracle, tmp_path, one_torch_thread):
+    model = load_runtime_config([f"+model={name}"]).model
+    checkpoint = write_tiny_checkpoint(tmp_path / name, model, seed=seed, std=0.1)
     prompts = workload(model.layout.vocab_size)
-    ours = run_appliance(["+model=qwen3_tiny", f"model.weights={checkpoint}", *PRESSURE], prompts)
-    assert_same_greedy(prompts, ours, transformers_greedy("Qwen3ForCausalLM", checkpoint, prompts, NEW_TOKENS))
-
-
-def test_dsv4_engine_greedy_equals_the_oracle(tmp_path, one_torch_thread):
-    model = load_runtime_config(["+model=dsv4_tiny"]).model
-    checkpoint = write_tiny_checkpoint(tmp_path / "dsv4", model, seed=12, std=0.1)
-    prompts = workload(model.layout.vocab_size)
-    ours = run_appliance(["+model=dsv4_tiny", f"model.weights={checkpoint}", *PRESSURE], prompts)
-    assert_same_greedy(prompts, ours, transformers_greedy("DeepseekV4ForCausalLM", checkpoint, prompts, NEW_TOKENS))
+    ours = run_appliance([f"+model={name}", f"model.weights={checkpoint}", *PRESSURE], prompts)
+    assert_same_greedy(prompts, ours, transformers_greedy(oracle, checkpoint, prompts, NEW_TOKENS))
