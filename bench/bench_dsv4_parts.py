@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_step import Pages, load_avg, machine, pages_needed  # noqa: E402
+from bench_step import Pages, fill_pools, load_avg, machine, pages_needed  # noqa: E402
 
 import npu.deepseek_v4 as runner_module  # noqa: E402
 from appliance.config.compose import load_runtime_config  # noqa: E402
@@ -74,6 +74,7 @@ def main() -> None:
     out = []
     for b in args.batch_sizes:
         runner.allocate_pools(pages_needed(runner, b, args.context + 1), 1)
+        fill_pools(runner)
         pages = Pages(runner)
         step = StepBatch([SeqStep(f"d{i}", [(5 * i) % 500 + 3], args.context, pages.tables(args.context + 1))
                           for i in range(b)])

@@ -215,11 +215,10 @@ class Qwen3Runner(ModelRunner):
             x = x.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
-        # Without a gather the head's product may stay a transposed view: the float32 copy below lays it out.
-        logits = self.lm_head(F.rms_norm(x, (self.hidden,), self.norm, self.eps), contiguous=self.vocab_widths is not None)
+        logits = self.lm_head(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
-        return logits.to(torch.float32, memory_format=torch.contiguous_format)
+        return logits.to(torch.float32)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: this rank's partial product, summed over the tensor-parallel

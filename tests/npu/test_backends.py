@@ -115,16 +115,19 @@ def test_tracker_adopts_existing_tensors_once_as_resident():
     assert t.peak_bytes == MiB + MiB + 4     # weights + y + the 4-byte sum
 
 
-def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of(dtype):
     from npu.linear import Projection
 
-    proj = Projection.of(torch.randn(16384, 512))     # large enough to be packed (npu.linear.PACKED_MAX_GROWTH)
-    if proj.packed is None:
-        pytest.skip("no MKL packed GEMM in this torch build")
+    proj = Projection.of(torch.randn(16384, 512, dtype=dtype))  # large enough to be packed (npu.linear)
+    packed = proj.mkl_packed if dtype == torch.float32 else proj.onednn_packed
+    if packed is None:
+        pytest.skip(f"no packed GEMM for {dtype} in this torch build")
     with AllocationTracker() as t:
         t.adopt(proj.tensors())
-        proj(torch.randn(8, 512))            # an op reading the opaque packed tensor: adopted, not an error
-    assert t.resident_bytes == 16384 * 512 * 4 + proj.packed.numel() * proj.packed.element_size()
+        proj(torch.randn(8, 512, dtype=dtype))   # an op reading the opaque packed tensor: adopted, not an error
+    plain = 0 if proj.weight is None else proj.weight.numel() * proj.weight.element_size()
+    assert t.resident_bytes == plain + packed.numel() * packed.element_size()
 
 
 def test_cpu_backend_peak_covers_weights_and_activation_high_water(meminfo):
@@ -248,7 +251,9 @@ class NpuOnCpu(NpuBackend):
         return torch.device("cpu")
 
 
-def test_startup_and_engine_threads_make_the_npu_current(monkeypatch):
+def test_the_loop_thread_launches_and_steps_with_the_npu_current(monkeypatch):
+    """Engine.start waits on the caller's thread; the launch and every step run on the loop thread, which makes
+    the device current first (the NPU runtime keeps one current device per thread)."""
     runtime = npu_runtime(count=4)
     fake_torch_npu.install(monkeypatch, runtime)
     rc = load_runtime_config(["+model=qwen3_tiny", "device=npu", f"device.memory_bytes_per_device={64 * MiB}",
@@ -264,7 +269,7 @@ def test_startup_and_engine_threads_make_the_npu_current(monkeypatch):
         outputs = list(engine.submit("r1", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
         assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
         set_by = {(t.thread, t.device) for t in runtime.touches if t.call == "set_device"}
-        assert set_by == {("engine-start", 0), ("engine-loop", 0)}
+        assert set_by == {("engine-loop", 0)}       # the starting thread does no device work
         assert runtime.touched_devices() == {0}      # devices 1-3 are visible but never opened
     finally:
         engine.shutdown()
