@@ -182,7 +182,7 @@ class Qwen3Runner(ModelRunner):
         if self.place.tensor > 1 and self.tensor_parallel is None:
             raise RuntimeError("Qwen3Runner.execute on a tensor-parallel rank before use_collectives()")
         if not batch.seqs:
-            return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
         pool = self.pools[KV]
         if not pool.is_contiguous():
             raise ValueError("the kv pool must be contiguous")
@@ -214,11 +214,11 @@ class Qwen3Runner(ModelRunner):
         if meta.sample_index is not None:
             x = x.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
-            return torch.empty(0, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
         logits = self.lm_head(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
-        return logits.to(torch.float32)
+        return logits       # in the model's dtype: the sampler widens only what it reads (npu.sampler)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: this rank's partial product, summed over the tensor-parallel

@@ -158,7 +158,8 @@ class ModelRunner(ABC):
     # -- steps -------------------------------------------------------------------------------------
     @abstractmethod
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; return float32 logits [number of seqs with sample=True, vocab], in batch order."""
+        """Run one step; return logits [number of seqs with sample=True, vocab], in batch order, in float32 or
+        the model's compute dtype (as transformers and vLLM models do: the sampler widens what it reads)."""
 
     # -- profiling ---------------------------------------------------------------------------------
     def scratch_batch(self, step: StepShape) -> StepBatch:

@@ -24,13 +24,23 @@ def worst_case_rows(n: int) -> list[tuple[str, SamplingParams]]:
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
+# Rows of lower-precision logits widened to float32 at a time for the greedy argmax: a [8, vocab] float32 block
+# (1 MB at a 32k vocabulary) is reused from the allocator each time and stays in cache.
+WIDEN_ROWS = 8
+
+
 def greedy_ids(logits: torch.Tensor) -> list[int]:
     """The argmax of every row of [rows, vocab] logits, as host ints; the first maximal id on ties (both
     torch's and numpy's rule). On the CPU numpy's argmax: torch's reduction along the last dim is about
     ten times slower on [64, 32000] float32 logits (5 ms against 0.5 ms on the 2-core benchmark machine,
-    a tenth of a batch-64 decode step of the 45M-parameter benchmark model)."""
+    a tenth of a batch-64 decode step of the 45M-parameter benchmark model). bfloat16 logits (no numpy dtype)
+    are widened to float32 a few rows at a time, which is exact: the argmax is the bfloat16 one. Widening the
+    whole [64, 32000] block at once cost 1.8 ms inside an engine step (a fresh 8 MB tensor), 8 rows at a
+    time 0.6 ms."""
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
         return numpy.argmax(logits.detach().numpy(), axis=-1).tolist()
+    if logits.device.type == "cpu" and logits.is_floating_point():
+        return [i for rows in logits.split(WIDEN_ROWS) for i in numpy.argmax(rows.float().numpy(), axis=-1).tolist()]
     return logits.argmax(dim=-1).tolist()
 
 

@@ -63,6 +63,15 @@ def test_greedy_rows_mixed_with_sampled_rows_stay_greedy():
     assert tokens[0::2] == expected
 
 
+def test_bfloat16_logits_draw_what_their_float32_values_draw():
+    # Runners return logits in the model's dtype; the sampler widens them, so a row draws the same token as the
+    # same values in float32 (greedy rows and seeded sampled rows alike).
+    logits = (crafted_logits(12, seed=2) * 1.7).to(torch.bfloat16)
+    rows = [(f"b{r}", SamplingParams(temperature=0.0 if r % 3 == 0 else 0.8, top_k=0 if r % 2 else 5, seed=r))
+            for r in range(12)]
+    assert Sampler(torch.device("cpu")).sample(logits, rows) == Sampler(torch.device("cpu")).sample(logits.float(), rows)
+
+
 def test_top_k_1_equals_greedy_for_every_seed():
     logits = crafted_logits(1, seed=2)[0]
     best = max(range(VOCAB), key=lambda i: logits[i].item())
