@@ -9,6 +9,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.planner import DeviceMemory, plan_capacity
 from appliance.engine.kv_cache_manager import KvCacheManager, KvCapacityError
+from tests.engine.test_kv_cache_manager import run_prompt
 
 QWEN3_TINY = load_runtime_config(["+model=qwen3_tiny"])
 DSV4_TINY = load_runtime_config([])
@@ -25,16 +26,6 @@ def qwen3(blocks=16, **kw):
     m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, **kw)
     m.initialize(blocks)
     return m
-
-
-def run_prompt(m, rid, tokens, chunk):
-    """Match, then allocate and commit chunk by chunk, as the scheduler and the engine do."""
-    done = m.match_prefix(rid, tokens)
-    while done < len(tokens):
-        n = min(chunk, len(tokens) - done)
-        m.allocate(rid, tokens, n)
-        done += n
-        m.commit(rid, done)
 
 
 def message(raises) -> str:
