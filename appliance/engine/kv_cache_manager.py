@@ -185,6 +185,8 @@ class KvCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         created = request_id not in self._seqs
         seq = self._seqs[request_id] if not created else self._add_seq(request_id)
+        if len(token_ids) < len(seq.tokens):      # (never for a created request: it has no tokens yet)
+            raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to {len(token_ids)}")
         target = seq.num_computed + num_new_tokens
         if not created and target <= seq.tokens_covered and target <= len(token_ids):
             # Most decode steps: every group's current page still has room; nothing to assign.
@@ -192,10 +194,6 @@ class KvCacheManager:
             seq.num_reserved = max(seq.num_reserved, target)
             return {s.name: [] for s in self.specs}
         try:
-            if len(token_ids) < len(seq.tokens):
-                raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to "
-                                 f"{len(token_ids)}")
-            target = seq.num_computed + num_new_tokens
             if target > len(token_ids):
                 raise ValueError(f"request {request_id!r}: {seq.num_computed} computed + {num_new_tokens} new "
                                  f"tokens exceed the {len(token_ids)} token ids given")

@@ -188,7 +188,6 @@ class RingTable(PageTable):
         for slot in slots:
             if self.pages[slot] >= 0:
                 self.pool.release(self.pages[slot])
-                self.pages[slot] = -1
         added = [self.pool.take() for _ in slots]
         for slot, page in zip(slots, added):
             self.pages[slot] = page

@@ -86,3 +86,44 @@ def test_prefix_hit_shares_all_pages_of_full_history_but_only_the_live_tail_of_a
     # The writer's ring had already reused logical page 0's slot when block 0 completed, so a one-block
     # hit (live tail: logical pages 0, 1) misses in the ring although a longer one hits.
     assert reader_ring.longest_hit(hashes, 1) == 0 and reader_full.longest_hit(hashes, 1) == 1
+
+
+def test_full_history_may_fill_exactly_max_blocks_per_seq():
+    table = FullHistoryTable(spec("full", 4), BlockPool("full", 8), BLOCK)
+    assert table.new_logical_pages(0, 8) == range(0, 4)                  # max_model_len tokens: every page
+    assert grow(table, 0, 8) == [0, 1, 2, 3] and table.tokens_covered == 8
+
+
+def test_reusable_pages_counts_every_reused_slot_whose_page_only_this_table_holds():
+    pool = BlockPool("ring", 8)
+    table = RingTable(spec("ring", 3, span=4), pool, BLOCK)
+    grow(table, 0, 6)                                                    # logical pages 0, 1, 2 in slots 0, 1, 2
+    assert table.reusable_pages(range(3, 5)) == 2                        # slots 0 and 1 give back pages 0 and 1
+    pool.register(b"h", 0)
+    pool.share(0)                                                        # page 0 cached and held by another request
+    assert table.reusable_pages(range(3, 5)) == 1                        # releasing page 0 frees nothing
+
+
+def test_register_blocks_caches_the_pages_of_the_named_blocks_only():
+    pool = BlockPool("full", 8)
+    table = FullHistoryTable(spec("full", 6), pool, BLOCK)
+    grow(table, 0, 12)                                                   # 3 blocks of 2 pages: pages 0..5
+    hashes = extend_block_hashes([], list(range(12)), BLOCK, 3)
+    table.register_blocks(hashes, 1, 2)
+    assert [pool.is_cached(p) for p in range(6)] == [False, False, True, True, False, False]
+    assert [pool.lookup(table.cache_key(hashes, logical)) for logical in (2, 3)] == [2, 3]
+
+
+def test_release_stale_gives_pages_back_in_slot_order_where_the_ring_wraps():
+    """The order the docstring states: it decides which pages the pool hands out next (and, for cached pages,
+    which of those released together is evicted first)."""
+    pool = BlockPool("ring", 6)
+    table = RingTable(spec("ring", 3, span=2), pool, BLOCK)   # live: the last page
+    grow(table, 0, 6)                                       # logical pages 0, 1, 2 in slots 0, 1, 2
+    table.release_stale(6)                                  # 0 and 1 go back; 2 (slot 2) stays
+    grow(table, 6, 10)                                      # logical 3, 4 in slots 0, 1
+    page_of = {logical: table.page_at(logical) for logical in (2, 3)}
+    for _ in range(pool.num_free):
+        pool.take()                                         # empty the pool: the next takes are the released pages
+    table.release_stale(10)                                 # live: logical 4; 2 (slot 2) and 3 (slot 0) go back
+    assert [pool.take(), pool.take()] == [page_of[3], page_of[2]]

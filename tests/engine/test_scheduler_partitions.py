@@ -94,3 +94,21 @@ def test_without_prefix_caching_requests_are_still_placed_on_the_least_loaded_pa
     assert {item.seq.request_id: kv.partition_of(item.seq.request_id) for item in first} == {
         "r0": 0, "r1": 1, "r2": 0, "r3": 1}
     assert seqs[4].status is SeqStatus.WAITING and kv.prefix_stats.queries == 0
+
+
+def test_a_partition_whose_budget_a_prefill_used_up_does_not_end_the_step_for_the_others():
+    """Partition 0 runs `a` (mid-prefill) and the newer `c`; partition 1 runs `d`, newer still. When `a`'s chunk
+    takes partition 0's whole budget, `c` waits for the next step but `d`, after it in arrival order, still
+    decodes: a used-up budget is that partition's, not the step's."""
+    kv, sched = setup(64, max_num_seqs=4, decode_batch=4, max_num_batched_tokens=32)
+    z, y, a, x, c, d = (add(sched, name, n, max_tokens=1 if name == "z" else 50)
+                        for name, n in (("z", 8), ("y", 16), ("a", 80), ("x", 8), ("c", 8), ("d", 8)))
+    first = sched.schedule()
+    # z takes 8 of partition 0's 32 tokens, so a gets a 16-token chunk (block-aligned) and c the last 8.
+    assert {i.seq.request_id: (kv.partition_of(i.seq.request_id), i.num_new_tokens) for i in first} == {
+        "z": (0, 8), "y": (1, 16), "a": (0, 16), "x": (1, 8), "c": (0, 8), "d": (1, 8)}
+    apply(kv, first)
+    sched.remove(z)                                                      # max_tokens 1: finished
+    second = {i.seq.request_id: i.num_new_tokens for i in sched.schedule()}
+    assert second == {"y": 1, "a": 32, "x": 1, "d": 1}
+    assert c.status is SeqStatus.RUNNING and c.num_pending_tokens == 1
