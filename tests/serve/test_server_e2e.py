@@ -121,7 +121,9 @@ def test_a_cancelled_request_id_is_free_again_when_its_call_ends(live):
     for _ in range(30):
         stream = client.generate("tell me a long story", max_tokens=100, ignore_eos=True, request_id="retry")
         next(stream)
-        stream.close()                                # cancel, then reuse the id at once
+        stream.close()                                # cancel, then reuse the id once the server has seen the end
+        # (close() returns before the cancellation reaches the server; on a busy host the next call can overtake it)
+        wait_for(lambda: engine.num_in_flight() == 0, what="the cancelled call's end reaching the engine")
         ids, _, last = client.complete("tell me a long story", max_tokens=2, ignore_eos=True, request_id="retry")
         assert len(ids) == 2 and last.finish_reason == FinishReason.LENGTH
     wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
