@@ -149,19 +149,21 @@ def test_decode_rows_are_gathered_once_per_bucket(widths, buckets):
     runner = runner_on("cpu")
     runner.allocate_pools({"kv": sum(widths) + 2}, 1)
     block, first = runner.block_size, 2
-    seqs = [SeqStep("chunk", list(range(3, 11)), block, {"kv": [0, 1]})]
+    chunk = SeqStep("chunk", list(range(3, 11)), block, {"kv": [0, 1]})
+    decodes = []
     for i, width in enumerate(widths):
-        seqs.append(SeqStep(f"r{i}", [5 + i], width * block - 1, {"kv": list(range(first, first + width))}))
+        decodes.append(SeqStep(f"r{i}", [5 + i], width * block - 1, {"kv": list(range(first, first + width))}))
         first += width
-    gathers = PoolGathers(runner)
-    with gathers:
-        together = runner.execute(StepBatch(seqs))
     layers = runner.model.layout.num_layers
-    expected = Counter({2 * rows * width: layers for rows, width in buckets})
-    expected[2 * 2] += layers
-    assert Counter(gathers.planes) == expected
-    alone = torch.cat([runner.execute(StepBatch([s])) for s in seqs])
-    assert (together - alone).abs().max().item() < 1e-5
+    for seqs in ([chunk, *decodes], decodes):        # with the chunk, and decode rows alone (every row sampled)
+        gathers = PoolGathers(runner)
+        with gathers:
+            together = runner.execute(StepBatch(seqs))
+        expected = Counter({2 * rows * width: layers for rows, width in buckets})
+        expected[2 * 2] += layers if chunk in seqs else 0
+        assert +Counter(gathers.planes) == +expected
+        alone = torch.cat([runner.execute(StepBatch([s])) for s in seqs])
+        assert (together - alone).abs().max().item() < 1e-5
 
 
 def test_chunks_from_position_0_of_equal_length_share_one_causal_call():
