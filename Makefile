@@ -39,8 +39,8 @@ KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_man
 	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py
 PLANNER_TESTS ?= tests/core/test_planner.py tests/npu/test_launcher.py tests/core/test_planner_groups.py
 SPEC_TESTS ?= tests/core $(KV_TESTS)
-QWEN3_TESTS ?= tests/npu/test_qwen3_oracle.py tests/npu/test_fused_paths.py
-DSV4_TESTS ?= tests/npu/test_dsv4_oracle.py tests/npu/test_dsv4_parts.py
+QWEN3_TESTS ?= tests/npu/test_qwen3_oracle.py tests/npu/test_fused_paths.py tests/npu/test_qwen3_paging.py
+DSV4_TESTS ?= tests/npu/test_dsv4_oracle.py tests/npu/test_dsv4_parts.py tests/npu/test_dsv4_paging.py
 MUTATION_MODULES = request sampler loop scheduler kv planner spec qwen3 dsv4
 .PHONY: $(addprefix mutation-,$(MUTATION_MODULES))
 mutation: $(addprefix mutation-,$(MUTATION_MODULES))

@@ -219,6 +219,7 @@ def test_a_plan_for_another_device_has_every_tensor_there():
                 *(t for g in plan.groups for t in (g.window_mask, *g.visible.values()))]
 
     assert len(tensors(host)) == len(tensors(meta)) > 20
+    assert [(g.first, g.num_seqs, g.q_len) for g in meta.groups] == [(g.first, g.num_seqs, g.q_len) for g in host.groups]
     assert all(t.device.type == "cpu" for t in tensors(host))
     assert all(t.device.type == "meta" for t in tensors(meta))
     assert [t.shape for t in tensors(host)] == [t.shape for t in tensors(meta)]

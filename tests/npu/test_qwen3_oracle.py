@@ -204,7 +204,7 @@ def test_decode_buckets_split_where_the_width_halves_and_padding_pays():
 
 def test_page_id_out_of_range_is_a_clear_error(runner):
     runner.allocate_pools({"kv": 4}, 1)
-    for bad in ([7], [-1]):
+    for bad in ([7], [5], [-1]):                      # 5 = the pool's page count: the first id past the end
         with pytest.raises(ValueError, match=r"request bad: page id out of range \[0, 5\)"):
             runner.execute(StepBatch([SeqStep("ok", [1], 0, {"kv": [0]}),
                                       SeqStep("bad", [1, 2], 0, {"kv": bad})]))
