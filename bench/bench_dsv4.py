@@ -1,7 +1,7 @@
 """The engine serving DeepSeek V4 against transformers `generate`, side by side in one run, on the same weights.
 
     python bench/bench_dsv4.py                  # 32 requests, prompts 16-128, outputs 16-64 (the bench.* defaults)
-    python bench/bench_dsv4.py --requests 8     # smoke run
+    python bench/bench_dsv4.py --requests 8 --runs 1     # smoke run
     python bench/bench_dsv4.py --threads 1
 
 Both sides load one tiny random DeepSeek V4 checkpoint written here (dsv4_tiny, released tensor names, fixed
@@ -13,7 +13,9 @@ seed). Greedy, ignore_eos, and only the requested output tokens are counted on b
 - transformers: DeepseekV4ForCausalLM.generate one request at a time. Batching would need padding, and V4's
   compressors pool fixed windows of positions, which left padding shifts: transformers' V4 has no padded
   batch path that gives the unpadded tokens, so batch 1 is what a careful user runs.
-Prints a markdown section (machine, load, tok/s side by side, greedy match).
+--runs N (default 3) runs each side N times, interleaved (engine run 1, transformers run 1, ...): a fresh
+Appliance per engine run (its start-up reported apart), one transformers model for all its runs. Prints a
+markdown section (machine, load, median [min-max] tok/s side by side, greedy match in every run).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from bench_engine import load_avg, machine, run_engine  # noqa: E402
+from report import add_runs_argument, interleave, spread  # noqa: E402
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.modes.bench import seeded_workload  # noqa: E402
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--std", type=float, default=0.1, help="std of the random weights")
     ap.add_argument("--seed", type=int, default=1234, help="workload seed (bench.seed)")
     ap.add_argument("--decode-batch", type=int, default=32, help="engine decode_batch")
+    add_runs_argument(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,23 +90,24 @@ def main() -> None:
         engine = [f"model.weights={ckpt}", "device=cpu", f"kv_cache.num_slots_override={args.requests}",
                   f"max_num_seqs={max(64, args.requests)}", f"decode_batch={args.decode_batch}",
                   "max_num_batched_tokens=1024"]
-        print(f"[bench_dsv4] engine: {len(work)} requests ...", file=sys.stderr, flush=True)
-        eng = engine_side(base + engine, work)
-        print("[bench_dsv4] transformers ...", file=sys.stderr, flush=True)
         import transformers
         t0 = time.perf_counter()
         model = transformers.DeepseekV4ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None      # ignore_eos: always generate max_new_tokens
         hf_load_s = time.perf_counter() - t0
-        hf = hf_side(model, work)
+        runs = interleave(args.runs, {"engine": lambda i: engine_side(base + engine, work),
+                                      "transformers": lambda i: hf_side(model, work)}, "bench_dsv4")
     loads.append(load_avg())
-    matches = sum(e == h for e, h in zip(eng["tokens"], hf["tokens"], strict=True))
+    eng_runs, hf_runs = runs["engine"], runs["transformers"]
+    eng = eng_runs[0]
+    matches = min(sum(e == h for e, h in zip(er["tokens"], hr["tokens"], strict=True))
+                  for er in eng_runs for hr in hf_runs)
     mach = machine()
     lay = rc0.model.layout
     prompt_lens, out_lens = [len(p) for p, _ in work], [n for _, n in work]
     shown = " ".join(o if not o.startswith("model.weights=") else "model.weights=<checkpoint dir>"
                      for o in base + engine)
-    hf_tps = hf["output_tokens"] / hf["elapsed_s"]
+    tps = {name: [r["output_tokens"] / r["elapsed_s"] for r in rs] for name, rs in (("e", eng_runs), ("h", hf_runs))}
     L = ["### DeepSeek V4 (tiny): engine vs transformers `generate`", "", "```", f"python {shlex.join(sys.argv)}",
          "```", "",
          f"- machine: {mach['cpu']}, nproc {mach['nproc']}, torch {mach['torch']} ({mach['threads']} threads), "
@@ -114,14 +119,18 @@ def main() -> None:
          f"hc_mult {lay.hc_mult}, ratios {sorted(set(lay.main_layer_ratios))}, {lay.dtype}; one checkpoint for both",
          f"- workload: {len(work)} requests, prompt {min(prompt_lens)}-{max(prompt_lens)} tokens, output "
          f"{min(out_lens)}-{max(out_lens)}, greedy, ignore_eos; engine: all submitted at once (`{shown}`); "
-         f"transformers: one request at a time", "",
+         f"transformers: one request at a time",
+         f"- every figure: median [min-max] over {args.runs} run(s), engine and transformers interleaved run by run; "
+         f"ratios per run (engine / transformers of the same round)", "",
          "| system | output tokens | wall s | output tok/s | vs transformers |", "|---|---:|---:|---:|---:|"]
-    for name, r in (("this engine", eng), ("transformers generate", hf)):
-        tps = r["output_tokens"] / r["elapsed_s"]
-        L.append(f"| {name} | {r['output_tokens']:,} | {r['elapsed_s']:.2f} | {tps:,.0f} | {tps / hf_tps:.2f}x |")
-    L += ["", f"- engine: time to ready {eng['startup_s']:.2f} s, {eng['steps']} steps, {eng['preemptions']} "
-              f"preemptions; transformers from_pretrained {hf_load_s:.2f} s",
-          f"- greedy match: **{matches}/{len(work)}** requests token-identical"]
+    ratios = [e / h for e, h in zip(tps["e"], tps["h"])]
+    for name, rs, key, ratio in (("this engine", eng_runs, "e", spread(ratios, "{:.2f}") + "x"),
+                                 ("transformers generate", hf_runs, "h", "1.00x")):
+        L.append(f"| {name} | {rs[0]['output_tokens']:,} | {spread([r['elapsed_s'] for r in rs], '{:.2f}')} | "
+                 f"{spread(tps[key], '{:,.0f}')} | {ratio} |")
+    L += ["", f"- engine: time to ready {spread([r['startup_s'] for r in eng_runs], '{:.2f}')} s, {eng['steps']} steps, "
+              f"{eng['preemptions']} preemptions; transformers from_pretrained {hf_load_s:.2f} s (once)",
+          f"- greedy match: **{matches}/{len(work)}** requests token-identical (the lowest over every pair of runs)"]
     print("\n".join(L))
 
 
