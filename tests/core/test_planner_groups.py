@@ -136,3 +136,17 @@ def test_a_slot_override_that_fills_the_budget_exactly_is_allowed_one_more_is_re
         plan(specs, [dev], kv_cache_memory_bytes=scratch + n * slot, num_slots_override=n + 1)
     assert (f"num_slots_override {n + 1} needs {format_bytes(scratch + (n + 1) * slot)} but the budget is "
             f"{format_bytes(scratch + n * slot)}; at most {n} slots fit") in str(info.value)
+
+
+def test_each_device_budget_names_its_device_and_what_is_left_after_scratch_and_slots(dsv4):
+    specs = dsv4.model.cache_groups
+    devices = [DeviceMemory("npu:0", 64 * GiB, 64 * GiB, 20 * GiB), DeviceMemory("npu:1", 64 * GiB, 60 * GiB, 21 * GiB)]
+    p = plan(specs, devices, utilization=0.9)
+    assert [d.name for d in p.devices] == ["npu:0", "npu:1"]
+    for d in p.devices:        # the startup table's headroom column: budget - scratch - the planned slots
+        assert d.headroom_bytes == d.budget_bytes - p.scratch_bytes - p.kv_cache_bytes >= 0
+
+
+def test_format_bytes_adds_the_binary_unit_from_1_kib_on():
+    assert format_bytes(1023) == "1,023 B" and format_bytes(-1023) == "-1,023 B"
+    assert format_bytes(1024) == "1,024 B (1.00 KiB)"
