@@ -2,10 +2,12 @@ PYTHON ?= python
 
 .PHONY: install test proto bench bench-all clean mutation
 
-# The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build.
+# The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build. The last line
+# compiles the CPU paged-attention kernel into ~/.cache/appliance/kernels, so no start waits for the compiler.
 install:
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[dev]'
+	$(PYTHON) -m npu.paged_attention_cpu
 
 test:
 	$(PYTHON) -m pytest -q tests

@@ -36,6 +36,7 @@ from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
 from npu.linear import Projection
+from npu.paged_attention_cpu import paged_decode_attention
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 
@@ -85,6 +86,8 @@ class Qwen3Runner(ModelRunner):
         op = fused_attention_op(self.device, self.dtype, self.block_size)
         self.fused_attention = None if op is None else FusedPagedAttention(
             op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
+        self.paged_decode = None if self.fused_attention is not None else paged_decode_attention(
+            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -188,8 +191,9 @@ class Qwen3Runner(ModelRunner):
             raise ValueError("the kv pool must be contiguous")
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
         rows = pool.view(-1, half)
+        paged = self.paged_decode is not None and pool.dtype == self.dtype
         meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, self._arange,
-                               self._parity, self.device, fused=self.fused_attention is not None)
+                               self._parity, self.device, fused=self.fused_attention is not None, paged=paged)
         kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
         cos, sin = self._rope(meta.positions, meta.max_pos)
 
@@ -230,6 +234,10 @@ class Qwen3Runner(ModelRunner):
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         parts = []                                     # attention output of rows 0..n-1, in order
         for d in meta.decodes:                         # decode rows come first in the flat batch
+            if d.lengths is not None:                  # the CPU kernel reads the pages in place
+                parts.append(self.paged_decode(q[d.first:d.first + d.count], self._planes(pool, li), d.pages,
+                                               d.lengths))
+                continue
             kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
             qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
             parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
@@ -240,7 +248,7 @@ class Qwen3Runner(ModelRunner):
                 kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                kp, vp = self._gather(pool, li, p.planes, 1)[:, :, :p.ctx].transpose(2, 3)   # [1, kvh, ctx, hd]
+                kp, vp = self._gather(pool, li, p.planes, p.count)[:, :, :p.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             parts.append(op.transpose(1, 2).reshape(p.count * p.length, nh, hd))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -249,15 +257,16 @@ class Qwen3Runner(ModelRunner):
 @dataclass
 class _Prefill:
     """Chunks of more than one token at rows first..first+count*length-1 of the flat batch: either `count`
-    chunks of equal length from position 0 (attending to their own K/V, one causal call for all), or one
-    chunk after cached tokens (a later chunk or a prefix-cache hit), attending to its pages in the pool."""
+    chunks of equal length from position 0 (attending to their own K/V, one causal call for all), or `count`
+    chunks after cached tokens (later chunks of long prompts, prefix-cache hits) with the same start and
+    length, attending to their pages in the pool (one gather and one call for all, one shared mask)."""
 
     first: int
     count: int
     length: int
-    planes: torch.Tensor | None = None  # cached chunk: K planes of the pages covering its context, then V planes
-    ctx: int = 0                        # cached chunk: tokens in its context, the chunk included
-    mask: torch.Tensor | None = None    # cached chunk: [length, ctx] bool offset-causal mask (True = attend)
+    planes: torch.Tensor | None = None  # cached chunks: K planes of the pages covering their contexts, then V planes
+    ctx: int = 0                        # cached chunks: tokens in each context, the chunk included
+    mask: torch.Tensor | None = None    # cached chunks: [length, ctx] bool offset-causal mask (True = attend)
 
 
 @dataclass
@@ -266,9 +275,12 @@ class _Decode:
 
     first: int
     count: int
-    planes: torch.Tensor       # [2 * count * width]: K planes of the rows' pages (padded with page 0), then V planes
+    planes: torch.Tensor | None  # [2 * count * width]: K planes of the rows' pages (padded with page 0), then V
+                                 # planes; None for the CPU paged kernel, which reads `pages`
     ctx: int                   # columns attended to: the longest context in the bucket
     mask: torch.Tensor | None  # [count, 1, 1, ctx] bool, row i attends to columns 0..position_i; None: all equal
+    pages: torch.Tensor        # [count, width] the rows' page ids (padded with page 0)
+    lengths: torch.Tensor | None = None  # [count] tokens each row attends to, for the CPU paged kernel; else None
 
 
 # Padding (token rows) a separate decode bucket must save to pay for its own gather and attention call;
@@ -317,7 +329,7 @@ class _StepMeta:
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int,
               arange: Callable[[int], torch.Tensor], parity: torch.Tensor, device: torch.device,
-              fused: bool = False) -> "_StepMeta":
+              fused: bool = False, paged: bool = False) -> "_StepMeta":
         dec: list[tuple[int, SeqStep, list[int]]] = []     # (index in batch, seq, pages covering its context)
         chunks: list[tuple[int, SeqStep, list[int]]] = []
         for i, s in enumerate(seqs):
@@ -331,14 +343,15 @@ class _StepMeta:
                                  f"{0 if table is None else len(table) * block_size} tokens, the step needs {end}")
             (dec if n == 1 else chunks).append((i, s, table[:-(-end // block_size)]))
         # Flat order: decode rows (by decreasing context when that splits them into buckets), then chunks
-        # from position 0 by length (equal lengths share one attention call), then chunks after cached tokens.
+        # from position 0 by length, then chunks after cached tokens by start and length (equal lengths, and
+        # for cached chunks equal starts, share one attention call).
         buckets = [(0, len(dec))] if dec else []
-        if len(dec) > 1 and max(len(e[2]) for e in dec) >= 2 * min(len(e[2]) for e in dec):   # else no split
+        if not paged and len(dec) > 1 and max(len(e[2]) for e in dec) >= 2 * min(len(e[2]) for e in dec):   # else no split
             by_width = sorted(dec, key=lambda e: -len(e[2]))
             split = decode_buckets([len(e[2]) for e in by_width], block_size)
             if len(split) > 1:
                 dec, buckets = by_width, split
-        chunks.sort(key=lambda e: (e[1].start_pos > 0, 0 if e[1].start_pos else len(e[1].token_ids)))
+        chunks.sort(key=lambda e: (e[1].start_pos > 0, e[1].start_pos, len(e[1].token_ids)))
 
         tokens = [s.token_ids[0] for _, s, _ in dec]
         positions = [s.start_pos for _, s, _ in dec]
@@ -377,16 +390,25 @@ class _StepMeta:
         decodes, at = [], 0
         for (lo, hi), width in zip(buckets, widths):
             first, last = min(positions[lo:hi]), max(positions[lo:hi])
-            mask = None
-            if first != last:
-                mask = _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
-            decodes.append(_Decode(lo, hi - lo, planes[:, at:at + (hi - lo) * width].reshape(-1), last + 1, mask))
+            span = slice(at, at + (hi - lo) * width)
+            if paged:                                   # no padding to mask: each row stops at its own length
+                decodes.append(_Decode(lo, hi - lo, None, last + 1, None, t_pages[span].view(hi - lo, width),
+                                       t_pos[lo:hi] + 1))
+            else:
+                mask = None if first == last else _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
+                decodes.append(_Decode(lo, hi - lo, planes[:, span].reshape(-1), last + 1, mask,
+                                       t_pages[span].view(hi - lo, width)))
             at += (hi - lo) * width
         prefills: list[_Prefill] = []
         for i, s, used in chunks:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
-            if s.start_pos > 0:
+            last = prefills[-1] if prefills else None
+            if s.start_pos > 0 and last is not None and last.planes is not None and (last.length, last.ctx) == (length, end):
+                last.count += 1                         # the same start and length: pages gathered together
+                group = at - (last.count - 1) * len(used)      # where the first chunk's pages start
+                last.planes = planes[:, group:at + len(used)].reshape(-1)
+            elif s.start_pos > 0:
                 mask = _causal_mask(arange(end), t_pos[first:first + length])
                 prefills.append(_Prefill(first, 1, length, planes[:, at:at + len(used)].reshape(-1), end, mask))
             elif prefills and prefills[-1].planes is None and prefills[-1].length == length:

@@ -22,7 +22,8 @@ as the scheduler issues it (a partial prefill chunk ends on one) and as ring cac
 compressor-state rings keep just the pages an aligned chunk touches): "at full context" is the latest
 aligned start. When max_model_len - chunk is not aligned, the longest chunk cannot end at max_model_len, so
 both ends of that trade are profiled: the full chunk from the last aligned start that fits, and the shorter
-chunk from the next boundary to max_model_len.
+chunk from the next boundary to max_model_len. Extremes that come out as the same step (with max_model_len
+equal to the chunk, the prefill wave is also the long chunks at full context) run once, named "a = b".
 """
 
 from __future__ import annotations
@@ -127,4 +128,9 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
         mixed = _chunks(limits.max_tokens - rows, chunk, limits.max_seqs - rows)
         if decode and mixed:
             steps.append(StepShape("decodes_and_chunks", decode + tuple(_at_end(n, limits) for n in mixed)))
-    return tuple(steps)
+    distinct: dict[tuple[tuple[int, int], ...], StepShape] = {}     # by shape, in order of first appearance
+    for step in steps:
+        key = tuple(sorted((s.num_tokens, s.start_pos) for s in step.seqs))
+        same = distinct.get(key)
+        distinct[key] = step if same is None else StepShape(f"{same.name} = {step.name}", same.seqs)
+    return tuple(distinct.values())

@@ -25,7 +25,10 @@ limits_strategy = st.builds(
 
 @given(limits_strategy)
 def test_worst_steps_are_legal_and_reach_every_extreme(limits):
-    steps = {s.name: s for s in worst_steps(limits)}
+    listed = worst_steps(limits)
+    steps = {name: s for s in listed for name in s.name.split(" = ")}     # a step reached by two extremes: both names
+    shapes = [sorted((s.num_tokens, s.start_pos) for s in step.seqs) for step in listed]
+    assert all(a != b for i, a in enumerate(shapes) for b in shapes[i + 1:])   # each shape is run once
     for step in steps.values():
         assert 0 < step.num_tokens <= limits.max_tokens and len(step.seqs) <= limits.max_seqs
         assert sum(s.num_tokens == 1 for s in step.seqs) <= limits.max_decode_rows
@@ -60,3 +63,12 @@ def test_worst_steps_are_legal_and_reach_every_extreme(limits):
             assert max(s.num_tokens for s in mixed) == min(limits.max_chunk, rest)
     else:
         assert list(steps) == ["decode_gather"]
+
+
+def test_extremes_that_are_the_same_step_run_once_under_both_names():
+    """The issue-16 bench config: max_model_len is the chunk, so the prefill wave (two 1,024-token chunks from
+    position 0) is also the long chunks at full context."""
+    limits = StepLimits(max_tokens=2048, max_seqs=64, max_decode_rows=64, max_chunk=1024, max_context=1024,
+                        chunk_align=16)
+    assert [s.name for s in worst_steps(limits)] == [
+        "decode_gather", "long_chunk", "prefill_wave = long_chunks_at_full_context", "short_chunks_at_full_context"]

@@ -96,7 +96,10 @@ def loaded(runner_class, model: str):
 
 @pytest.fixture(scope="module")
 def runner():
-    return loaded(Qwen3Runner, "qwen3_tiny")
+    """Decode rows on the SDPA path (what an accelerator without the fused kernel runs), not the CPU paged kernel."""
+    r = loaded(Qwen3Runner, "qwen3_tiny")
+    r.paged_decode = None
+    return r
 
 
 def cached_history(runner, rng):

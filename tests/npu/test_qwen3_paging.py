@@ -34,7 +34,10 @@ def model(row_dtype: str | None = None):
 
 
 def runner_on(device: str, row_dtype: str | None = None) -> Qwen3Runner:
+    """A runner on the gather + SDPA path for decode rows (this file checks it), also on the CPU, where decode
+    rows otherwise go to the paged kernel (tests/npu/test_paged_attention_cpu.py checks that one)."""
     r = Qwen3Runner(model(row_dtype), device)
+    r.paged_decode = None
     r.load_weights()                  # the seeded random weights: the same for every runner of the model
     return r
 
@@ -180,6 +183,30 @@ def test_chunks_from_position_0_of_equal_length_share_one_causal_call():
     layers = runner.model.layout.num_layers
     assert sum(causal for _, causal in masks.calls) == 2 * layers
     assert sum(dtype is torch.bool for dtype, _ in masks.calls) == layers
+
+
+def test_cached_chunks_of_the_same_start_and_length_share_one_gather_and_call():
+    """Three prompts' second 16-token chunks (start 16, batch order mixed with a 9-token one of another start):
+    one gather of all three chunks' pages and one masked call per layer, and each row's logits equal to its
+    chunk run alone (so each chunk attends to its own pages, not a neighbour's)."""
+    runner = runner_on("cpu")
+    runner.allocate_pools({"kv": 12}, 1)
+    rng = random.Random(8)
+    prompts = {name: [rng.randrange(3, 500) for _ in range(32)] for name in "abcd"}
+    tables = {"a": [0, 1], "b": [2, 3], "c": [4, 5], "d": [6, 7]}
+    for name, tokens in prompts.items():
+        runner.execute(StepBatch([SeqStep(name, tokens[:16], 0, {"kv": tables[name]}, sample=False)]))
+    runner.execute(StepBatch([SeqStep("d", prompts["d"][16:23], 16, {"kv": tables["d"]}, sample=False)]))
+    seqs = [SeqStep("a", prompts["a"][16:], 16, {"kv": tables["a"]}), SeqStep("d", prompts["d"][23:], 23, {"kv": tables["d"]}),
+            SeqStep("b", prompts["b"][16:], 16, {"kv": tables["b"]}), SeqStep("c", prompts["c"][16:], 16, {"kv": tables["c"]})]
+    gathers, masks = PoolGathers(runner), SdpaMasks()
+    with gathers, masks:
+        together = runner.execute(StepBatch(seqs))
+    layers = runner.model.layout.num_layers
+    assert Counter(gathers.planes) == Counter({2 * 3 * 2: layers, 2 * 2: layers})   # a, b, c together; d alone
+    assert sum(dtype is torch.bool for dtype, _ in masks.calls) == 2 * layers
+    alone = torch.cat([runner.execute(StepBatch([s])) for s in seqs])
+    assert (together - alone).abs().max().item() < 1e-5
 
 
 def test_a_chunk_after_one_cached_token_equals_the_prompt_at_once():

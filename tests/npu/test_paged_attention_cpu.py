@@ -1,0 +1,172 @@
+"""The CPU paged decode-attention kernel (npu.paged_attention_cpu): exact against attention over gathered
+pages, reads nothing past a row's length, independent of the thread count, used by the Qwen3 runner on
+CPU, and off (with the reason logged) where it cannot be built. The transformers oracle
+(test_qwen3_oracle.py) runs the runner with it, since the CPU runner picks it by default."""
+
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+
+from appliance.config.compose import load_runtime_config
+from npu import paged_attention_cpu
+from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
+from npu.qwen3 import Qwen3Runner
+from npu.step import SeqStep, StepBatch
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler: the runner uses gather + SDPA (tested elsewhere)")
+
+LENGTHS = (1, 15, 16, 17, 50, 200)
+
+
+def kernel(dtype, heads, kv_heads, head_dim, block_size) -> PagedDecodeAttention:
+    op = paged_decode_attention(torch.device("cpu"), dtype, heads, kv_heads, head_dim, block_size)
+    assert op is not None, "the kernel did not build (see the log)"
+    return op
+
+
+def scattered(dtype, heads, kv_heads, head_dim, block_size, seed=0):
+    """A pool of 64 pages, rows of LENGTHS over shuffled pages, and a NaN page padding every table: the kernel
+    must stop at each row's length."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2 * 64, block_size, kv_heads * head_dim, generator=g).to(dtype)
+    poison = 63
+    pool[2 * poison:2 * poison + 2] = float("nan")
+    width = max(-(-n // block_size) for n in LENGTHS) + 1
+    free = list(range(poison))
+    random.Random(seed).shuffle(free)
+    table = torch.full((len(LENGTHS), width), poison, dtype=torch.long)
+    for r, n in enumerate(LENGTHS):
+        for i in range(-(-n // block_size)):
+            table[r, i] = free.pop()
+    query = torch.randn(len(LENGTHS), heads, head_dim, generator=g).to(dtype)
+    return query, pool, table, torch.tensor(LENGTHS)
+
+
+def reference(query, pool, table, lengths, kv_heads):
+    """Each row's K and V gathered page by page, float32 softmax attention, GQA by repeating kv heads."""
+    rows, heads, hd = query.shape
+    out = torch.empty(rows, heads, hd)
+    for r in range(rows):
+        n = int(lengths[r])
+        pages = table[r, :-(-n // pool.shape[1])]
+        k = pool[2 * pages].reshape(-1, kv_heads, hd)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        v = pool[2 * pages + 1].reshape(-1, kv_heads, hd)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,khd->hk", query[r].float(), k) * hd ** -0.5
+        out[r] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(8, 2, 64, 16), (4, 4, 32, 8), (16, 2, 128, 32),
+                                                                    (6, 3, 80, 16)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_kernel_equals_attention_over_gathered_pages(dtype, tol, heads, kv_heads, head_dim, block_size):
+    query, pool, table, lengths = scattered(dtype, heads, kv_heads, head_dim, block_size)
+    out = kernel(dtype, heads, kv_heads, head_dim, block_size)(query, pool, table, lengths)
+    want = reference(query, pool, table, lengths, kv_heads)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert torch.isfinite(out).all()                      # the NaN page past every row's length is never read
+    assert (out.float() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
+
+
+def test_rows_do_not_depend_on_the_thread_count_or_on_each_other():
+    query, pool, table, lengths = scattered(torch.float32, 8, 2, 64, 16, seed=1)
+    op = kernel(torch.float32, 8, 2, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(query, pool, table, lengths)
+        torch.set_num_threads(2)
+        two = op(query, pool, table, lengths)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)                          # a row is one task, whichever thread runs it
+    alone = op(query[3:4], pool, table[3:4], lengths[3:4])
+    assert torch.equal(alone[0], one[3])
+
+
+def test_arguments_that_do_not_fit_the_kernel_are_a_clear_error():
+    query, pool, table, lengths = scattered(torch.float32, 8, 2, 64, 16)
+    op = kernel(torch.float32, 8, 2, 64, 16)
+    with pytest.raises(ValueError, match="do not fit a torch.float32 kernel of 8 heads x 64"):
+        op(query.to(torch.bfloat16), pool, table, lengths)
+    with pytest.raises(ValueError, match="lengths"):
+        op(query, pool, table, lengths.int())
+    with pytest.raises(ValueError, match="query"):
+        op(query[:, :4], pool, table, lengths)
+    outside = table.clone()
+    outside[2, 0] = pool.shape[0] // 2                    # one past the last page
+    with pytest.raises(ValueError, match=r"page ids in \[\d+, 64\] for a pool of 64 pages"):
+        op(query, pool, outside, lengths)
+    for bad in (0, table.shape[1] * 16 + 1):             # nothing to attend to; more tokens than the table holds
+        wrong = lengths.clone()
+        wrong[1] = bad
+        with pytest.raises(ValueError, match="lengths in"):
+            op(query, pool, table, wrong)
+
+
+def mixed_step(rng: random.Random) -> tuple[dict, StepBatch]:
+    """Histories of 3, 13 and 40 tokens, then a step with their decode rows, a chunk after cached tokens and
+    a chunk from position 0."""
+    histories = {"a": ([rng.randrange(3, 500) for _ in range(3)], [3]),
+                 "b": ([rng.randrange(3, 500) for _ in range(13)], [0, 1]),
+                 "c": ([rng.randrange(3, 500) for _ in range(40)], [4, 5, 6])}
+    step = StepBatch([SeqStep("a", [7], 3, {"kv": [3]}), SeqStep("c", [9], 40, {"kv": [4, 5, 6]}),
+                      SeqStep("b", [11], 13, {"kv": [0, 1]}),
+                      SeqStep("b2", [rng.randrange(3, 500) for _ in range(5)], 13, {"kv": [0, 1]}),
+                      SeqStep("f", [rng.randrange(3, 500) for _ in range(9)], 0, {"kv": [8]})])
+    return histories, step
+
+
+def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_path():
+    rc = load_runtime_config(["+model=qwen3_tiny"])
+    runner = Qwen3Runner(rc.model, "cpu")
+    assert runner.paged_decode is not None                # picked by default on CPU
+    runner.load_weights()
+    calls = []
+    op = runner.paged_decode
+
+    def counted(*args):
+        calls.append(args[2].shape)
+        return op(*args)
+
+    results = []
+    for paged in (counted, None):
+        runner.paged_decode = paged
+        runner.allocate_pools({"kv": 16}, 1)
+        histories, step = mixed_step(random.Random(5))
+        for name, (tokens, pages) in histories.items():
+            runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)]))
+        results.append(runner.execute(step))
+        runner.free_pools()
+    layers = rc.model.layout.num_layers
+    assert calls == [(3, 3)] * layers                     # one call per layer for the three decode rows
+    assert (results[0] - results[1]).abs().max().item() < 1e-5
+
+
+def test_it_is_built_once_per_source_compiler_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
+    first = paged_attention_cpu.build()
+    assert first.parent == tmp_path and first.name.startswith("paged_attention-")
+    stamp = first.stat().st_mtime_ns
+    assert paged_attention_cpu.build() == first and first.stat().st_mtime_ns == stamp   # from the cache
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]                        # no temporary left
+
+
+def test_without_a_working_compiler_the_runner_keeps_the_sdpa_path_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false"))
+    with caplog.at_level(logging.WARNING, logger="npu.paged_attention_cpu"):
+        assert paged_decode_attention(torch.device("cpu"), torch.float32, 8, 2, 64, 16) is None
+    assert "CPU paged attention off" in caplog.text and "false" in caplog.text
+    assert list(tmp_path.iterdir()) == []                 # the failed build left nothing behind
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("APPLIANCE_CPU_ATTENTION", "sdpa")
+    rc = load_runtime_config(["+model=qwen3_tiny"])
+    assert Qwen3Runner(rc.model, "cpu").paged_decode is None
+    monkeypatch.delenv("APPLIANCE_CPU_ATTENTION")
+    assert paged_decode_attention(torch.device("meta"), torch.float32, 8, 2, 64, 16) is None
+    assert paged_decode_attention(torch.device("cpu"), torch.float16, 8, 2, 64, 16) is None
