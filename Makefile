@@ -7,7 +7,7 @@ PYTHON ?= python
 install:
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[dev]'
-	$(PYTHON) -m npu.paged_attention_cpu
+	$(PYTHON) -m npu.cpu_kernels
 
 test:
 	$(PYTHON) -m pytest -q tests

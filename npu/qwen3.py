@@ -35,6 +35,7 @@ from appliance.core.archs.qwen3 import KV, held_slices, parameters
 from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
+from npu.fused_norms import layer_norms
 from npu.linear import Projection
 from npu.paged_attention_cpu import paged_decode_attention
 from npu.runner import ModelRunner
@@ -88,6 +89,7 @@ class Qwen3Runner(ModelRunner):
             op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
         self.paged_decode = None if self.fused_attention is not None else paged_decode_attention(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -131,8 +133,8 @@ class Qwen3Runner(ModelRunner):
         self._kv_offsets = None
 
     # -- rope --------------------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of each position, [n, 1, head_dim] each: one lookup per step for all layers."""
+    def _rope(self, positions: torch.Tensor, max_pos: int) -> torch.Tensor:
+        """[n, 2, head_dim]: cos, then the signed sin, of each position; one lookup per step for all layers."""
         if max_pos >= self._rope_table.shape[0]:
             n = max(2 * self._rope_table.shape[0], max_pos + 1, 256)
             freqs = torch.outer(torch.arange(n, device=self.device, dtype=torch.float32), self._inv_freq)
@@ -140,8 +142,7 @@ class Qwen3Runner(ModelRunner):
             # rotate_half(x) * sin == swap_halves(x) * (-sin | sin): one flip instead of slices, neg and cat
             signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
             self._rope_table = torch.stack((emb.cos(), signed), dim=1).to(self.dtype)   # [n, 2, head_dim]
-        cos, sin = self._rope_table.index_select(0, positions).unsqueeze(2).unbind(1)
-        return cos, sin
+        return self._rope_table.index_select(0, positions)
 
     def _row_offsets(self, pool: torch.Tensor) -> torch.Tensor:
         """[layers, 1, 2]: what to add to a token's K-plane row in layer 0 for its K and V rows in every layer
@@ -195,31 +196,32 @@ class Qwen3Runner(ModelRunner):
         meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, self._arange,
                                self._parity, self.device, fused=self.fused_attention is not None, paged=paged)
         kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
-        cos, sin = self._rope(meta.positions, meta.max_pos)
+        rope = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.embedding(meta.tokens, self.embed)
+        norms = self.norms
+        x = F.embedding(meta.tokens, self.embed)         # the residual stream, updated in place from here
+        h = norms.rms_norm(x, self.layers[0].input_norm)
         for li, layer in enumerate(self.layers):
-            qkv = layer.qkv(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps))
-            # q and k heads are normalised and rotated together, back into qkv: it then holds q | k | v
-            qk = qkv[:, :(nh + kvh) * hd].view(n, nh + kvh, hd)
-            t = F.rms_norm(qk, (hd,), eps=self.eps).mul_(layer.qk_norm)
-            swapped = t.view(n, nh + kvh, 2, hd // 2).flip(2).view(n, nh + kvh, hd)
-            torch.add(t.mul_(cos), swapped.mul_(sin), out=qk)
+            qkv = layer.qkv(h)
+            norms.qk_norm_rope_(qkv, nh + kvh, layer.qk_norm, rope)   # q and k heads in place: qkv is q | k | v
             rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
             q = qkv[:, :nh * hd].view(n, nh, hd)
             if self.fused_attention is not None:
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
             else:
                 attn = self._attend(pool, li, qkv, q, meta)
-            x = x + self._summed(layer.o(attn.reshape(n, nh * hd)))
-            gate, up = layer.gate_up(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)).chunk(2, -1)
-            x = x + self._summed(layer.down(F.silu(gate).mul_(up)))
+            h = norms.add_rms_norm_(x, self._summed(layer.o(attn.reshape(n, nh * hd))), layer.post_norm)
+            mlp = self._summed(layer.down(norms.silu_and_mul(layer.gate_up(h))))
+            if li + 1 < len(self.layers):
+                h = norms.add_rms_norm_(x, mlp, self.layers[li + 1].input_norm)
+            else:
+                x.add_(mlp)                              # the final norm reads the sampled rows only
         if meta.sample_index is not None:
             x = x.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
-        logits = self.lm_head(F.rms_norm(x, (self.hidden,), self.norm, self.eps))
+        logits = self.lm_head(norms.rms_norm(x, self.norm))
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
         return logits       # in the model's dtype: the sampler widens only what it reads (npu.sampler)
@@ -282,6 +284,12 @@ class _Decode:
     pages: torch.Tensor        # [count, width] the rows' page ids (padded with page 0)
     lengths: torch.Tensor | None = None  # [count] tokens each row attends to, for the CPU paged kernel; else None
 
+
+# Cached chunks of the same start and length are attended together while their contexts add up to at most
+# this many tokens: one gather and one SDPA call instead of one per chunk saves per-call overhead where chunks
+# are short (the startup profile's 64 chunks of 32 tokens: 0.58 -> 0.37 s in fp32), and the cap bounds the
+# gather buffer that costs (the profile measures it; 16k tokens of K and V is 8 MB for the benchmark model).
+GROUP_GATHER_TOKENS = 16384
 
 # Padding (token rows) a separate decode bucket must save to pay for its own gather and attention call;
 # measured with the tiny model on CPU, where one call costs about as much as attending over 1k token rows.
@@ -404,7 +412,8 @@ class _StepMeta:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
             last = prefills[-1] if prefills else None
-            if s.start_pos > 0 and last is not None and last.planes is not None and (last.length, last.ctx) == (length, end):
+            if (s.start_pos > 0 and last is not None and last.planes is not None and (last.length, last.ctx) == (length, end)
+                    and (last.count + 1) * end <= GROUP_GATHER_TOKENS):
                 last.count += 1                         # the same start and length: pages gathered together
                 group = at - (last.count - 1) * len(used)      # where the first chunk's pages start
                 last.planes = planes[:, group:at + len(used)].reshape(-1)

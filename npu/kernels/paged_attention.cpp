@@ -5,8 +5,9 @@
 // lengths[r] tokens of its pages pages[r * width ...]. Queries are [rows, heads, head_dim]; a kv head serves
 // heads / kv_heads query heads (GQA). Scores, softmax and sums are float32 for bf16 and fp32 alike.
 //
-// One task is one row: a page's K (then V) plane is converted to float32 once and read by every query head
-// (GQA: query head i reads kv head i / (heads / kv_heads)). Rows are split over the caller's OpenMP threads
+// One task is one row (or, with fewer rows than threads, a row's share of its kv heads): a page's K (then V)
+// plane is converted to float32 once and read by every query head of the task (GQA: query head i reads kv
+// head i / (heads / kv_heads)). Tasks are split over the caller's OpenMP threads
 // (the libgomp torch has loaded, so one thread pool); each thread keeps its scores, heads x max_len floats,
 // in the caller's `scratch` ([threads, heads x max_len], a torch tensor, so the startup profile counts it).
 #include <cmath>
@@ -53,22 +54,28 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                       int64_t block_size, int64_t max_len, float scale, int threads) {
     const int64_t hd = HD > 0 ? HD : head_dim;
     const int64_t group = heads / kv_heads, token_stride = kv_heads * hd, plane = block_size * token_stride;
+    // Fewer rows than threads (batch 1, long contexts): each row's kv heads are split into parts too.
+    const int64_t parts = rows >= threads ? 1 : std::min<int64_t>(kv_heads, (threads + rows - 1) / rows);
 #pragma omp parallel num_threads(threads)
     {
         // A page's plane converted to float32 once, then read by every query head (L1-resident).
         std::vector<float> q(heads * hd), acc(heads * hd), staged(plane), total(heads);
         float* const scores = scratch + omp_get_thread_num() * heads * max_len;   // the caller's, per thread
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t task = 0; task < rows * parts; ++task) {
+            const int64_t r = task / parts, part = task % parts;
+            const int64_t h0 = part * kv_heads / parts * group, h1 = (part + 1) * kv_heads / parts * group;
+            const int64_t c0 = h0 / group * hd, c1 = h1 / group * hd;          // this part's columns of a token
             const int64_t len = lengths[r];
             const int64_t* table = pages + r * width;
-            for (int64_t i = 0; i < heads * hd; ++i) q[i] = load(query[r * heads * hd + i]) * scale;
+            for (int64_t i = h0 * hd; i < h1 * hd; ++i) q[i] = load(query[r * heads * hd + i]) * scale;
             for (int64_t page = 0; page * block_size < len; ++page) {          // scores = q . k
                 prefetch_plane(pool, table, page + 1, len, block_size, plane, 0);
                 const int64_t first = page * block_size, n = std::min(block_size, len - first);
                 const T* k = pool + 2 * table[page] * plane;
-                for (int64_t i = 0; i < n * token_stride; ++i) staged[i] = load(k[i]);
-                for (int64_t h = 0; h < heads; ++h) {
+                for (int64_t t = 0; t < n; ++t)
+                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = load(k[t * token_stride + c]);
+                for (int64_t h = h0; h < h1; ++h) {
                     const float* __restrict__ qh = q.data() + h * hd;
                     const float* __restrict__ kh = staged.data() + (h / group) * hd;
                     float* __restrict__ sh = scores + h * len + first;
@@ -80,7 +87,7 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                     }
                 }
             }
-            for (int64_t h = 0; h < heads; ++h) {                               // softmax, unnormalised
+            for (int64_t h = h0; h < h1; ++h) {                                 // softmax, unnormalised
                 float* sh = scores + h * len;
                 float top = sh[0];
                 for (int64_t t = 1; t < len; ++t) top = sh[t] > top ? sh[t] : top;
@@ -89,13 +96,14 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                 for (int64_t t = 0; t < len; ++t) { sh[t] = std::exp(sh[t] - top); sum += sh[t]; }
                 total[h] = sum;
             }
-            std::fill(acc.begin(), acc.end(), 0.f);
+            std::fill(acc.begin() + h0 * hd, acc.begin() + h1 * hd, 0.f);
             for (int64_t page = 0; page * block_size < len; ++page) {          // acc += p . v
                 prefetch_plane(pool, table, page + 1, len, block_size, plane, 1);
                 const int64_t first = page * block_size, n = std::min(block_size, len - first);
                 const T* v = pool + (2 * table[page] + 1) * plane;
-                for (int64_t i = 0; i < n * token_stride; ++i) staged[i] = load(v[i]);
-                for (int64_t h = 0; h < heads; ++h) {
+                for (int64_t t = 0; t < n; ++t)
+                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = load(v[t * token_stride + c]);
+                for (int64_t h = h0; h < h1; ++h) {
                     float* __restrict__ ah = acc.data() + h * hd;
                     const float* __restrict__ vh = staged.data() + (h / group) * hd;
                     const float* __restrict__ ph = scores + h * len + first;
@@ -118,7 +126,7 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                 }
             }
             T* o = out + r * heads * hd;
-            for (int64_t h = 0; h < heads; ++h)
+            for (int64_t h = h0; h < h1; ++h)
                 for (int64_t d = 0; d < hd; ++d) store(o + h * hd + d, acc[h * hd + d] / total[h]);
         }
     }

@@ -1,9 +1,8 @@
 """The CPU paged decode-attention kernel (npu.paged_attention_cpu): exact against attention over gathered
-pages, reads nothing past a row's length, independent of the thread count, used by the Qwen3 runner on
-CPU, and off (with the reason logged) where it cannot be built. The transformers oracle
-(test_qwen3_oracle.py) runs the runner with it, since the CPU runner picks it by default."""
+pages, reads nothing past a row's length, independent of the thread count, its indices checked before it
+runs, and used by the Qwen3 runner on CPU, where the transformers oracle (test_qwen3_oracle.py) runs it.
+Building, caching and the fallback without a compiler: test_cpu_kernels.py."""
 
-import logging
 import random
 import shutil
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from npu import paged_attention_cpu
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
 from npu.qwen3 import Qwen3Runner
 from npu.step import SeqStep, StepBatch
@@ -81,10 +79,10 @@ def test_rows_do_not_depend_on_the_thread_count_or_on_each_other():
         one = op(query, pool, table, lengths)
         torch.set_num_threads(2)
         two = op(query, pool, table, lengths)
+        alone = op(query[3:4], pool, table[3:4], lengths[3:4])   # one row, two threads: its kv heads split
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)                          # a row is one task, whichever thread runs it
-    alone = op(query[3:4], pool, table[3:4], lengths[3:4])
     assert torch.equal(alone[0], one[3])
 
 
@@ -145,28 +143,3 @@ def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_pat
     layers = rc.model.layout.num_layers
     assert calls == [(3, 3)] * layers                     # one call per layer for the three decode rows
     assert (results[0] - results[1]).abs().max().item() < 1e-5
-
-
-def test_it_is_built_once_per_source_compiler_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
-    first = paged_attention_cpu.build()
-    assert first.parent == tmp_path and first.name.startswith("paged_attention-")
-    stamp = first.stat().st_mtime_ns
-    assert paged_attention_cpu.build() == first and first.stat().st_mtime_ns == stamp   # from the cache
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]                        # no temporary left
-
-
-def test_without_a_working_compiler_the_runner_keeps_the_sdpa_path_and_says_why(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", shutil.which("false"))
-    with caplog.at_level(logging.WARNING, logger="npu.paged_attention_cpu"):
-        assert paged_decode_attention(torch.device("cpu"), torch.float32, 8, 2, 64, 16) is None
-    assert "CPU paged attention off" in caplog.text and "false" in caplog.text
-    assert list(tmp_path.iterdir()) == []                 # the failed build left nothing behind
-    monkeypatch.delenv("CXX")
-    monkeypatch.setenv("APPLIANCE_CPU_ATTENTION", "sdpa")
-    rc = load_runtime_config(["+model=qwen3_tiny"])
-    assert Qwen3Runner(rc.model, "cpu").paged_decode is None
-    monkeypatch.delenv("APPLIANCE_CPU_ATTENTION")
-    assert paged_decode_attention(torch.device("meta"), torch.float32, 8, 2, 64, 16) is None
-    assert paged_decode_attention(torch.device("cpu"), torch.float16, 8, 2, 64, 16) is None

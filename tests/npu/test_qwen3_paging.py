@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import npu.qwen3
 from appliance.config.compose import load_runtime_config
 from npu.fused_attention import FusedPagedAttention
 from npu.qwen3 import SPLIT_MIN_SAVING, Qwen3Runner, decode_buckets
@@ -185,10 +186,14 @@ def test_chunks_from_position_0_of_equal_length_share_one_causal_call():
     assert sum(dtype is torch.bool for dtype, _ in masks.calls) == layers
 
 
-def test_cached_chunks_of_the_same_start_and_length_share_one_gather_and_call():
+@pytest.mark.parametrize("cap, groups", [(None, {3: 1}), (64, {2: 1, 1: 1})])
+def test_cached_chunks_of_the_same_start_and_length_share_one_gather_and_call(cap, groups, monkeypatch):
     """Three prompts' second 16-token chunks (start 16, batch order mixed with a 9-token one of another start):
-    one gather of all three chunks' pages and one masked call per layer, and each row's logits equal to its
-    chunk run alone (so each chunk attends to its own pages, not a neighbour's)."""
+    one gather of all three chunks' pages and one masked call per layer, or with GROUP_GATHER_TOKENS at 64 (two
+    32-token contexts) the first two together and the third alone; each row's logits equal to its chunk run
+    alone (so each chunk attends to its own pages, not a neighbour's)."""
+    if cap is not None:
+        monkeypatch.setattr(npu.qwen3, "GROUP_GATHER_TOKENS", cap)
     runner = runner_on("cpu")
     runner.allocate_pools({"kv": 12}, 1)
     rng = random.Random(8)
@@ -203,8 +208,12 @@ def test_cached_chunks_of_the_same_start_and_length_share_one_gather_and_call():
     with gathers, masks:
         together = runner.execute(StepBatch(seqs))
     layers = runner.model.layout.num_layers
-    assert Counter(gathers.planes) == Counter({2 * 3 * 2: layers, 2 * 2: layers})   # a, b, c together; d alone
-    assert sum(dtype is torch.bool for dtype, _ in masks.calls) == 2 * layers
+    expected = Counter()
+    for chunks, count in groups.items():                 # chunks per group: 2 pages each, K and V planes
+        expected[2 * chunks * 2] += count * layers
+    expected[2 * 2] += layers                             # d
+    assert Counter(gathers.planes) == expected
+    assert sum(dtype is torch.bool for dtype, _ in masks.calls) == (sum(groups.values()) + 1) * layers
     alone = torch.cat([runner.execute(StepBatch([s])) for s in seqs])
     assert (together - alone).abs().max().item() < 1e-5
 
