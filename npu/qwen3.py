@@ -6,17 +6,19 @@ viewed as [2 * pages, block_size, kv_heads * head_dim] is a contiguous paged cac
 block 2p and its V at 2p + 1: what a fused paged-attention kernel reads in place (npu.fused_attention).
 A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP:
 decode tokens first, then prefill chunks. Everything shared by the layers (token rows in the pool,
-rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Attention, on
-an NPU where the fused kernel applies: one call per layer for every row (npu.fused_attention). Elsewhere,
-SDPA with bool masks (or is_causal), which accelerator backends keep on their fused kernels:
-- decode rows, batched: per layer the K and V planes of their pages are gathered from the layer's
-  contiguous pool (one index_select into a reused buffer), then one SDPA with a kv head's query heads as
-  the query axis (GQA without repeating K/V), masked only where contexts differ. Rows of very different
-  lengths are split into a few buckets by context length, so short contexts are not padded to the
-  longest one;
+rope cos/sin, masks, page lists) is built once per step from one host tensor (_StepMeta). Norms, q/k
+norm + RoPE and SiLU-and-mul go through npu.fused_norms (one C++ pass each on CPU, torch ops elsewhere).
+Attention, on an NPU where the fused kernel applies: one call per layer for every row
+(npu.fused_attention). Elsewhere, SDPA with bool masks (or is_causal), which accelerator backends keep on
+their fused kernels:
+- decode rows, batched: on CPU, a C++ kernel reads each row's pages in place (npu.paged_attention_cpu).
+  Otherwise, per layer the K and V planes of their pages are gathered from the layer's contiguous pool
+  (one index_select into a reused buffer), then one SDPA with a kv head's query heads as the query axis
+  (GQA without repeating K/V), masked only where contexts differ. Rows of very different lengths are
+  split into a few buckets by context length, so short contexts are not padded to the longest one;
 - chunks from position 0: causal SDPA on their own K/V, one call for all chunks of equal length;
-- a chunk after cached tokens (a later chunk, a prefix-cache hit): SDPA over its gathered pages with an
-  offset causal mask.
+- chunks after cached tokens (later chunks, prefix-cache hits): SDPA over their gathered pages with an
+  offset causal mask, one call for chunks of the same start and length (up to GROUP_GATHER_TOKENS).
 Row indices come from the pool tensor's strides at each step, so no pool size is baked in anywhere.
 """
 
@@ -281,8 +283,8 @@ class _Decode:
                                  # planes; None for the CPU paged kernel, which reads `pages`
     ctx: int                   # columns attended to: the longest context in the bucket
     mask: torch.Tensor | None  # [count, 1, 1, ctx] bool, row i attends to columns 0..position_i; None: all equal
-    pages: torch.Tensor        # [count, width] the rows' page ids (padded with page 0)
-    lengths: torch.Tensor | None = None  # [count] tokens each row attends to, for the CPU paged kernel; else None
+    pages: torch.Tensor | None = None    # CPU paged kernel: [count, width] the rows' page ids (padded with page 0)
+    lengths: torch.Tensor | None = None  # CPU paged kernel: [count] tokens each row attends to
 
 
 # Cached chunks of the same start and length are attended together while their contexts add up to at most
@@ -404,19 +406,18 @@ class _StepMeta:
                                        t_pos[lo:hi] + 1))
             else:
                 mask = None if first == last else _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
-                decodes.append(_Decode(lo, hi - lo, planes[:, span].reshape(-1), last + 1, mask,
-                                       t_pages[span].view(hi - lo, width)))
+                decodes.append(_Decode(lo, hi - lo, planes[:, span].reshape(-1), last + 1, mask))
             at += (hi - lo) * width
         prefills: list[_Prefill] = []
         for i, s, used in chunks:
             length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
             first = last_row[i] - length + 1
-            last = prefills[-1] if prefills else None
-            if (s.start_pos > 0 and last is not None and last.planes is not None and (last.length, last.ctx) == (length, end)
-                    and (last.count + 1) * end <= GROUP_GATHER_TOKENS):
-                last.count += 1                         # the same start and length: pages gathered together
-                group = at - (last.count - 1) * len(used)      # where the first chunk's pages start
-                last.planes = planes[:, group:at + len(used)].reshape(-1)
+            prev = prefills[-1] if prefills else None
+            if (s.start_pos > 0 and prev is not None and prev.planes is not None and (prev.length, prev.ctx) == (length, end)
+                    and (prev.count + 1) * end <= GROUP_GATHER_TOKENS):
+                prev.count += 1                         # the same start and length: pages gathered together
+                group = at - (prev.count - 1) * len(used)      # where the first chunk's pages start
+                prev.planes = planes[:, group:at + len(used)].reshape(-1)
             elif s.start_pos > 0:
                 mask = _causal_mask(arange(end), t_pos[first:first + length])
                 prefills.append(_Prefill(first, 1, length, planes[:, at:at + len(used)].reshape(-1), end, mask))

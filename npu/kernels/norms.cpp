@@ -32,6 +32,12 @@ inline float round_as(float x) {                  // x stored as a T and read ba
     return widen(t);
 }
 
+// Below this many elements a call runs on the caller's thread alone, as torch's at::parallel_for does below
+// its grain size: waking a second thread costs more than the work (a decode step of a small model makes a
+// dozen such calls).
+constexpr int64_t kGrain = 32768;
+inline int team(int64_t work, int threads) { return work >= kGrain ? threads : 1; }
+
 // 1 / sqrt(mean(x^2) + eps) over n floats.
 inline float inv_rms(const float* x, int64_t n, float eps) {
     float sum = 0.f;
@@ -49,7 +55,7 @@ inline void norm_row(const float* x, int64_t n, const T* weight, float eps, T* o
 
 template <typename T>
 void rms_norm(const T* x, int64_t rows, int64_t dim, const T* weight, float eps, T* out, int threads) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(team(rows * dim, threads))
     {
         float* row = new float[dim];
 #pragma omp for schedule(static)
@@ -64,7 +70,7 @@ void rms_norm(const T* x, int64_t rows, int64_t dim, const T* weight, float eps,
 // x += delta (rounded to T, as torch's add), then out = rms_norm(x).
 template <typename T>
 void add_rms_norm(T* x, const T* delta, int64_t rows, int64_t dim, const T* weight, float eps, T* out, int threads) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(team(rows * dim, threads))
     {
         float* row = new float[dim];
 #pragma omp for schedule(static)
@@ -87,7 +93,7 @@ template <typename T>
 void qk_norm_rope(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t head_dim, const T* weight,
                   const T* rope, float eps, int threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(team(tokens * heads * head_dim, threads))
     {
         float* t = new float[2 * head_dim];
         float* h = t + head_dim;
@@ -114,7 +120,7 @@ void qk_norm_rope(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t
 // out = silu(gate) * up for gate_up = [rows, gate | up], each `inter` wide (silu rounded to T first, as torch).
 template <typename T>
 void silu_and_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(team(rows * inter, threads))
     for (int64_t r = 0; r < rows; ++r) {
         const T* g = gate_up + r * 2 * inter;
         const T* u = g + inter;

@@ -46,6 +46,8 @@ inline void prefetch_plane(const T* pool, const int64_t* table, int64_t page, in
     for (int64_t b = 0; b < plane * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+constexpr int64_t kGrain = 1 << 17;
+
 // HD > 0: head_dim known at compile time (the common 64 and 128), so a head's accumulator stays in registers
 // across a page's tokens; HD = 0 reads it from `head_dim`.
 template <typename T, int HD>
@@ -54,7 +56,9 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                       int64_t block_size, int64_t max_len, float scale, int threads) {
     const int64_t hd = HD > 0 ? HD : head_dim;
     const int64_t group = heads / kv_heads, token_stride = kv_heads * hd, plane = block_size * token_stride;
-    // Fewer rows than threads (batch 1, long contexts): each row's kv heads are split into parts too.
+    // Under kGrain multiply-adds the caller's thread runs it alone (waking another costs more than the work);
+    // with fewer rows than threads (batch 1, long contexts) each row's kv heads are split into parts too.
+    if (rows * max_len * heads * hd < kGrain) threads = 1;
     const int64_t parts = rows >= threads ? 1 : std::min<int64_t>(kv_heads, (threads + rows - 1) / rows);
 #pragma omp parallel num_threads(threads)
     {

@@ -79,11 +79,31 @@ def test_rows_do_not_depend_on_the_thread_count_or_on_each_other():
         one = op(query, pool, table, lengths)
         torch.set_num_threads(2)
         two = op(query, pool, table, lengths)
-        alone = op(query[3:4], pool, table[3:4], lengths[3:4])   # one row, two threads: its kv heads split
+        alone = op(query[3:4], pool, table[3:4], lengths[3:4])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)                          # a row is one task, whichever thread runs it
     assert torch.equal(alone[0], one[3])
+
+
+def test_one_long_row_splits_its_kv_heads_over_the_threads():
+    """Batch 1 at a 1,000-token context (enough work to wake a second thread): each thread takes one kv head's
+    query heads; the result equals the one-thread run bit for bit, and the reference."""
+    g = torch.Generator().manual_seed(4)
+    pool = torch.randn(2 * 64, 16, 2 * 64, generator=g)
+    table = torch.randperm(64, generator=g)[:63].view(1, 63)
+    lengths, query = torch.tensor([1000]), torch.randn(1, 8, 64, generator=g)
+    op = kernel(torch.float32, 8, 2, 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(query, pool, table, lengths)
+        torch.set_num_threads(2)
+        two = op(query, pool, table, lengths)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert (two - reference(query, pool, table, lengths, 2)).abs().max().item() < 2e-6
 
 
 def test_arguments_that_do_not_fit_the_kernel_are_a_clear_error():
