@@ -217,13 +217,12 @@ class Qwen3Runner(ModelRunner):
             mlp = self._summed(layer.down(norms.silu_and_mul(layer.gate_up(h))))
             if li + 1 < len(self.layers):
                 h = norms.add_rms_norm_(x, mlp, self.layers[li + 1].input_norm)
-            else:
-                x.add_(mlp)                              # the final norm reads the sampled rows only
+        # the last residual add and the final norm, for the sampled rows only
         if meta.sample_index is not None:
-            x = x.index_select(0, meta.sample_index)
+            x, mlp = x.index_select(0, meta.sample_index), mlp.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
-        logits = self.lm_head(norms.rms_norm(x, self.norm))
+        logits = self.lm_head(norms.add_rms_norm_(x, mlp, self.norm))
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
         return logits       # in the model's dtype: the sampler widens only what it reads (npu.sampler)
