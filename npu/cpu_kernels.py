@@ -34,7 +34,9 @@ import torch
 
 log = logging.getLogger("npu.cpu_kernels")
 
-SOURCES = tuple(sorted((Path(__file__).with_name("kernels")).glob("*.cpp")))
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = tuple(sorted(KERNELS.glob("*.cpp")))
+HEADERS = tuple(sorted(KERNELS.glob("*.h")))     # included by the sources: part of the cache key
 COMPILE_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
                  "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -63,7 +65,7 @@ def _cpu_flags() -> str:
 def library_path(compiler: str) -> Path:
     """Where the build for these sources, this compiler and this CPU lives in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [s.read_text() for s in SOURCES] + [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), _cpu_flags()]
+    parts = [s.read_text() for s in SOURCES + HEADERS] + [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), _cpu_flags()]
     return cache_dir() / f"appliance_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 

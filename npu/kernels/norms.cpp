@@ -8,23 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "floats.h"
+
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-inline void narrow(float* dst, float x) { *dst = x; }
-inline void narrow(uint16_t* dst, float x) {      // round to nearest even, as torch's float -> bfloat16
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *dst = static_cast<uint16_t>((u >> 16) | 0x40u); return; }   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *dst = static_cast<uint16_t>(u >> 16);
-}
+using kernels::narrow;
+using kernels::widen;
+
 template <typename T>
 inline float round_as(float x) {                  // x stored as a T and read back
     T t;

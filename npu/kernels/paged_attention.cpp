@@ -18,23 +18,12 @@
 
 #include <omp.h>
 
+#include "floats.h"
+
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) {               // bfloat16: the high half of a float32
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {   // round to nearest even, as torch's float -> bfloat16
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *dst = static_cast<uint16_t>((u >> 16) | 0x40u); return; }   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *dst = static_cast<uint16_t>(u >> 16);
-}
+using kernels::narrow;
+using kernels::widen;
 
 // Start loading a page's K (which = 0) or V (1) plane while the one before it is read: pages are scattered,
 // so the hardware prefetcher stops at each page's end.
@@ -72,13 +61,13 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
             const int64_t c0 = h0 / group * hd, c1 = h1 / group * hd;          // this part's columns of a token
             const int64_t len = lengths[r];
             const int64_t* table = pages + r * width;
-            for (int64_t i = h0 * hd; i < h1 * hd; ++i) q[i] = load(query[r * heads * hd + i]) * scale;
+            for (int64_t i = h0 * hd; i < h1 * hd; ++i) q[i] = widen(query[r * heads * hd + i]) * scale;
             for (int64_t page = 0; page * block_size < len; ++page) {          // scores = q . k
                 prefetch_plane(pool, table, page + 1, len, block_size, plane, 0);
                 const int64_t first = page * block_size, n = std::min(block_size, len - first);
                 const T* k = pool + 2 * table[page] * plane;
                 for (int64_t t = 0; t < n; ++t)
-                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = load(k[t * token_stride + c]);
+                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = widen(k[t * token_stride + c]);
                 for (int64_t h = h0; h < h1; ++h) {
                     const float* __restrict__ qh = q.data() + h * hd;
                     const float* __restrict__ kh = staged.data() + (h / group) * hd;
@@ -106,7 +95,7 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                 const int64_t first = page * block_size, n = std::min(block_size, len - first);
                 const T* v = pool + (2 * table[page] + 1) * plane;
                 for (int64_t t = 0; t < n; ++t)
-                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = load(v[t * token_stride + c]);
+                    for (int64_t c = c0; c < c1; ++c) staged[t * token_stride + c] = widen(v[t * token_stride + c]);
                 for (int64_t h = h0; h < h1; ++h) {
                     float* __restrict__ ah = acc.data() + h * hd;
                     const float* __restrict__ vh = staged.data() + (h / group) * hd;
@@ -131,7 +120,7 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
             }
             T* o = out + r * heads * hd;
             for (int64_t h = h0; h < h1; ++h)
-                for (int64_t d = 0; d < hd; ++d) store(o + h * hd + d, acc[h * hd + d] / total[h]);
+                for (int64_t d = 0; d < hd; ++d) narrow(o + h * hd + d, acc[h * hd + d] / total[h]);
         }
     }
 }

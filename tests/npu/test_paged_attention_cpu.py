@@ -70,19 +70,22 @@ def test_kernel_equals_attention_over_gathered_pages(dtype, tol, heads, kv_heads
     assert (out.float() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
 
 
+def on_threads(threads: int, op, *args) -> torch.Tensor:
+    """op(*args) with torch (and so the kernel) at `threads` threads."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return op(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rows_do_not_depend_on_the_thread_count_or_on_each_other():
     query, pool, table, lengths = scattered(torch.float32, 8, 2, 64, 16, seed=1)
     op = kernel(torch.float32, 8, 2, 64, 16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(query, pool, table, lengths)
-        torch.set_num_threads(2)
-        two = op(query, pool, table, lengths)
-        alone = op(query[3:4], pool, table[3:4], lengths[3:4])
-    finally:
-        torch.set_num_threads(before)
+    one, two = (on_threads(n, op, query, pool, table, lengths) for n in (1, 2))
     assert torch.equal(one, two)                          # a row is one task, whichever thread runs it
+    alone = on_threads(2, op, query[3:4], pool, table[3:4], lengths[3:4])
     assert torch.equal(alone[0], one[3])
 
 
@@ -94,14 +97,7 @@ def test_one_long_row_splits_its_kv_heads_over_the_threads():
     table = torch.randperm(64, generator=g)[:63].view(1, 63)
     lengths, query = torch.tensor([1000]), torch.randn(1, 8, 64, generator=g)
     op = kernel(torch.float32, 8, 2, 64, 16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(query, pool, table, lengths)
-        torch.set_num_threads(2)
-        two = op(query, pool, table, lengths)
-    finally:
-        torch.set_num_threads(before)
+    one, two = (on_threads(n, op, query, pool, table, lengths) for n in (1, 2))
     assert torch.equal(one, two)
     assert (two - reference(query, pool, table, lengths, 2)).abs().max().item() < 2e-6
 
