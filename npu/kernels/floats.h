@@ -14,12 +14,12 @@ inline float widen(uint16_t x) {
     return f;
 }
 inline void narrow(float* dst, float x) { *dst = x; }
-inline void narrow(uint16_t* dst, float x) {
+inline void narrow(uint16_t* dst, float x) {       // branch-free, so loops over it vectorize
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *dst = static_cast<uint16_t>((u >> 16) | 0x40u); return; }   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *dst = static_cast<uint16_t>(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    *dst = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 }  // namespace kernels

@@ -97,10 +97,10 @@ void qk_norm_rope(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t
                 const float r = inv_rms(h, head_dim, eps);
                 for (int64_t d = 0; d < head_dim; ++d)
                     t[d] = round_as<T>(round_as<T>(h[d] * r) * widen(weight[j * head_dim + d]));
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    const int64_t other = d < half ? d + half : d - half;
-                    narrow(x + d, round_as<T>(t[d] * widen(cos[d])) + round_as<T>(t[other] * widen(sin[d])));
-                }
+                for (int64_t d = 0; d < half; ++d)              // swap_halves(t): the second half first
+                    narrow(x + d, round_as<T>(t[d] * widen(cos[d])) + round_as<T>(t[d + half] * widen(sin[d])));
+                for (int64_t d = half; d < head_dim; ++d)
+                    narrow(x + d, round_as<T>(t[d] * widen(cos[d])) + round_as<T>(t[d - half] * widen(sin[d])));
             }
         }
         delete[] t;
