@@ -65,7 +65,8 @@ def _cpu_flags() -> str:
 def library_path(compiler: str) -> Path:
     """Where the build for these sources, this compiler and this CPU lives in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [s.read_text() for s in SOURCES + HEADERS] + [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), _cpu_flags()]
+    parts = [s.read_text() for s in SOURCES + HEADERS]
+    parts += [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), _cpu_flags()]
     return cache_dir() / f"appliance_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
@@ -85,10 +86,17 @@ def _run_all(commands: dict[str, list[str]]) -> None:
 
 def build() -> Path:
     """The compiled library's path, compiling it first when the cache has none. Raises RuntimeError naming
-    what is missing or what the compiler said."""
+    what is missing (the compiler, a writable cache directory) or what the compiler said."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    try:
+        return _build(compiler)
+    except OSError as e:            # a compiler path that does not run, a cache directory not writable
+        raise RuntimeError(f"cannot build the CPU kernels with {compiler} into {cache_dir()}: {e}") from e
+
+
+def _build(compiler: str) -> Path:
     path = library_path(compiler)
     if path.exists():
         return path

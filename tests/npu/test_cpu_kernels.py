@@ -44,6 +44,11 @@ def test_without_a_working_compiler_the_runner_keeps_torch_ops_and_says_why(tmp_
         assert paged_decode_attention(torch.device("cpu"), torch.float32, 8, 2, 64, 16) is None
     assert "CPU kernels unavailable" in caplog.text and "false" in caplog.text
     assert list(tmp_path.iterdir()) == []                 # the failed build left nothing behind
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))   # a compiler that does not exist: still no crash
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="npu.cpu_kernels"):
+        assert paged_decode_attention(torch.device("cpu"), torch.float32, 8, 2, 64, 16) is None
+    assert "no-such-g++" in caplog.text
     rc = load_runtime_config(["+model=qwen3_tiny"])
     runner = Qwen3Runner(rc.model, "cpu")
     assert runner.paged_decode is None and type(runner.norms) is TorchNorms
