@@ -44,6 +44,7 @@ SWITCH = "APPLIANCE_CPU_KERNELS"        # "0": torch ops everywhere
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}   # the dtypes every kernel has an entry point for
 
 _loaded: dict[str, ctypes.CDLL | str] = {}   # library path -> the loaded library, or why it could not load
+_built: dict[tuple[str, Path], Path] = {}     # (compiler, cache dir) -> the library path, found once per process
 
 
 def cache_dir() -> Path:
@@ -90,8 +91,11 @@ def build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    key = (compiler, cache_dir())
     try:
-        return _build(compiler)
+        if key not in _built or not _built[key].exists():   # each runner asks twice (attention, norms)
+            _built[key] = _build(compiler)
+        return _built[key]
     except OSError as e:            # a compiler path that does not run, a cache directory not writable
         raise RuntimeError(f"cannot build the CPU kernels with {compiler} into {cache_dir()}: {e}") from e
 

@@ -33,14 +33,16 @@ class PagedDecodeAttention:
         self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.scale = ctypes.c_float(head_dim ** -0.5)
 
-    def __call__(self, query: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor,
-                 lengths: torch.Tensor) -> torch.Tensor:
+    def __call__(self, query: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor,
+                 checked_longest: int | None = None) -> torch.Tensor:
         """query [rows, heads, head_dim]; planes: one layer's pool as [2 x pages, block_size, kv_heads x head_dim]
         (page p's K plane at 2p, its V plane at 2p + 1); pages [rows, width] int64 page ids, padded anywhere past
         a row's length; lengths [rows] int64, tokens each row attends to. Returns [rows, heads, head_dim].
 
         Everything the kernel would index with is checked first (two reductions, a few microseconds): a bad
-        page id or length is a ValueError here, never a read outside the pool."""
+        page id or length is a ValueError here, never a read outside the pool. A caller that has range-checked
+        this step's page ids and lengths itself passes the longest length as `checked_longest` and skips that
+        (the Qwen3 runner checks once per step in _StepMeta.build, then calls once per layer)."""
         rows, width = pages.shape
         if (query.dtype != self.dtype or planes.dtype != self.dtype or not planes.is_contiguous()
                 or planes.shape[1:] != (self.block_size, self.num_kv_heads * self.head_dim)
@@ -53,11 +55,14 @@ class PagedDecodeAttention:
                              f"block_size {self.block_size}")
         if rows == 0:
             return torch.empty_like(query)
-        shortest, longest = (int(v) for v in torch.aminmax(lengths))
-        low, high = (int(v) for v in torch.aminmax(pages[:, :-(-longest // self.block_size)]))
-        if shortest < 1 or longest > width * self.block_size or low < 0 or 2 * high + 1 >= planes.shape[0]:
-            raise ValueError(f"paged decode attention: lengths in [{shortest}, {longest}] over {width} pages of "
-                             f"{self.block_size}, page ids in [{low}, {high}] for a pool of {planes.shape[0] // 2} pages")
+        longest = checked_longest
+        if longest is None:
+            shortest, longest = (int(v) for v in torch.aminmax(lengths))
+            low, high = (int(v) for v in torch.aminmax(pages[:, :-(-longest // self.block_size)]))
+            if shortest < 1 or longest > width * self.block_size or low < 0 or 2 * high + 1 >= planes.shape[0]:
+                raise ValueError(f"paged decode attention: lengths in [{shortest}, {longest}] over {width} pages of "
+                                 f"{self.block_size}, page ids in [{low}, {high}] for a pool of "
+                                 f"{planes.shape[0] // 2} pages")
         query, pages, lengths = query.contiguous(), pages.contiguous(), lengths.contiguous()
         out = torch.empty_like(query)
         threads = torch.get_num_threads()

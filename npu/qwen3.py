@@ -239,7 +239,7 @@ class Qwen3Runner(ModelRunner):
         for d in meta.decodes:                         # decode rows come first in the flat batch
             if d.lengths is not None:                  # the CPU kernel reads the pages in place
                 parts.append(self.paged_decode(q[d.first:d.first + d.count], self._planes(pool, li), d.pages,
-                                               d.lengths))
+                                               d.lengths, checked_longest=d.ctx))   # page ids checked in build
                 continue
             kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
             qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries

@@ -63,7 +63,9 @@ def reference(query, pool, table, lengths, kv_heads):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 def test_kernel_equals_attention_over_gathered_pages(dtype, tol, heads, kv_heads, head_dim, block_size):
     query, pool, table, lengths = scattered(dtype, heads, kv_heads, head_dim, block_size)
-    out = kernel(dtype, heads, kv_heads, head_dim, block_size)(query, pool, table, lengths)
+    op = kernel(dtype, heads, kv_heads, head_dim, block_size)
+    out = op(query, pool, table, lengths)
+    assert torch.equal(op(query, pool, table, lengths, checked_longest=max(LENGTHS)), out)   # the runner's call
     want = reference(query, pool, table, lengths, kv_heads)
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.isfinite(out).all()                      # the NaN page past every row's length is never read
@@ -143,9 +145,9 @@ def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_pat
     calls = []
     op = runner.paged_decode
 
-    def counted(*args):
-        calls.append(args[2].shape)
-        return op(*args)
+    def counted(*args, **kwargs):
+        calls.append((args[2].shape, kwargs.get("checked_longest")))
+        return op(*args, **kwargs)
 
     results = []
     for paged in (counted, None):
@@ -157,5 +159,6 @@ def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_pat
         results.append(runner.execute(step))
         runner.free_pools()
     layers = rc.model.layout.num_layers
-    assert calls == [(3, 3)] * layers                     # one call per layer for the three decode rows
+    assert calls == [((3, 3), 41)] * layers               # one call per layer for the three decode rows; the
+                                                          # longest context (40 cached + 1) is passed as checked
     assert (results[0] - results[1]).abs().max().item() < 1e-5
