@@ -14,6 +14,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage, lone_surrogate_at
 from appliance.serve.chat_template import RENDERER_NAMES
@@ -186,7 +187,8 @@ class ChatMessage(_Strict):
 def _at_most_messages(value: Any) -> Any:
     """Counted before pydantic validates each message (its max_length counts after validating them all)."""
     if isinstance(value, list) and len(value) > MAX_CHAT_MESSAGES:
-        raise ValueError(f"{len(value):,} messages; at most {MAX_CHAT_MESSAGES}")
+        raise PydanticCustomError("too_many_messages", "{count} messages; at most {limit}",
+                                  {"count": f"{len(value):,}", "limit": MAX_CHAT_MESSAGES})
     return value
 
 

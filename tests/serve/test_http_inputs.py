@@ -238,7 +238,7 @@ def test_more_messages_than_the_limit_are_refused_before_rendering(served):
     renders = len(served.renders)
     status, answer = post(served.port, CHAT, chat(*[{"role": "user", "content": ""}] * (MAX_CHAT_MESSAGES + 1)))
     assert status == 400 and answer["error"]["param"] == "messages"
-    assert f"at most {MAX_CHAT_MESSAGES}" in answer["error"]["message"]
+    assert answer["error"]["message"] == f"messages: {MAX_CHAT_MESSAGES + 1:,} messages; at most {MAX_CHAT_MESSAGES}"
     status, answer = post(served.port, CHAT, chat(*[{"role": "user", "content": ""}] * 200_000))
     assert status == 400 and answer["error"]["param"] == "messages"
     assert len(served.renders) == renders
