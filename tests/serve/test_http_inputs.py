@@ -114,7 +114,8 @@ BAD_INPUTS = {
                                           "chat_template_kwargs.lang[0]"),
     # names the renderer sets itself
     **{f"chat_template_kwargs {key}": (CHAT, chat(chat_template_kwargs={key: "x"}), "chat_template_kwargs")
-       for key in ("tools", "messages", "add_generation_prompt", "documents", "bos_token", "eos_token")},
+       for key in ("tools", "messages", "add_generation_prompt", "documents", "bos_token", "eos_token",
+                   "raise_exception")},
     # content parts
     "text part with a number": (CHAT, chat(user([{"type": "text", "text": 123}])), "messages[0].content[0].text"),
     "text part with null": (CHAT, chat(user([{"type": "text", "text": None}])), "messages[0].content[0].text"),
