@@ -74,6 +74,7 @@ class ServingState(Protocol):
 log = logging.getLogger("appliance.serve.http")
 OPEN_PATHS = ("/health",)                  # answered without a token so that probes work
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BODY_PARSE_ERROR = "There was an error parsing the body"     # FastAPI's HTTPException detail
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -255,7 +256,10 @@ def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -
     deepest = max(len(e.get("loc", ())) for _, e in located)
     param = next(p for p, e in located if len(e.get("loc", ())) == deepest)
     messages = list(dict.fromkeys(e.get("msg", "") for p, e in located if p == param))
-    return ApiError(400, f"{param or 'body'}: {' or '.join(messages)}", param=param)
+    if param is None:           # no body, or not an object: a wrong Content-Type reads as no JSON at all
+        messages.append("send a JSON object with Content-Type: application/json")
+    return ApiError(400, f"{param or 'body'}: {'; '.join(messages) if param is None else ' or '.join(messages)}",
+                    param=param)
 
 
 def _request_id(http: Request) -> str:
@@ -297,7 +301,11 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return await api_error(_, ApiError(exc.status_code, str(exc.detail), type_="not_found_error"
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == BODY_PARSE_ERROR:     # FastAPI's words for what json.loads refused
+            detail = ("malformed JSON: the body could not be parsed (not UTF-8, nested too deeply, or a number "
+                      "of more than 4300 digits)")
+        return await api_error(_, ApiError(exc.status_code, detail, type_="not_found_error"
                                            if exc.status_code == 404 else "invalid_request_error"))
 
     app.post("/v1/completions")(routes.completions)

@@ -75,12 +75,12 @@ def served(tmp_path_factory):
         srv.stop()
 
 
-def post(port: int, path: str, body: dict | str) -> tuple[int, dict]:
+def post(port: int, path: str, body: dict | str | bytes, content_type: str = "application/json") -> tuple[int, dict]:
     """POST a body (a dict is sent as JSON with \\u escapes, so lone surrogates travel as JSON allows)."""
-    raw = body if isinstance(body, str) else json.dumps(body)
+    raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", path, raw.encode(), {"Content-Type": "application/json"})
+        conn.request("POST", path, raw.encode() if isinstance(raw, str) else raw, {"Content-Type": content_type})
         resp = conn.getresponse()
         data = resp.read()
         if resp.getheader("content-type", "").startswith("text/event-stream"):
@@ -164,6 +164,21 @@ def test_malformed_json_is_400_saying_so(served, raw):
     assert status == 400 and answer["error"]["param"] is None
     assert answer["error"]["message"].startswith("malformed JSON (at character ")
     assert json.JSONDecodeError.__name__ not in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\xff"}', b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                 b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"])
+def test_a_body_json_cannot_parse_is_400_saying_malformed_json(served, raw):
+    status, answer = post(served.port, COMPLETIONS, raw)
+    assert status == 400 and answer["error"]["message"].startswith("malformed JSON: ")
+
+
+@pytest.mark.parametrize("raw, content_type", [("", "application/json"), ('{"prompt": "hi"}', "text/plain"),
+                                               ("[1, 2]", "application/json")])
+def test_a_body_that_is_not_a_json_object_says_what_to_send(served, raw, content_type):
+    status, answer = post(served.port, COMPLETIONS, raw, content_type)
+    assert status == 400 and answer["error"]["param"] is None
+    assert "send a JSON object with Content-Type: application/json" in answer["error"]["message"]
 
 
 def test_ints_are_still_numbers(served):
