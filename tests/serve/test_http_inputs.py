@@ -167,7 +167,8 @@ def test_malformed_json_is_400_saying_so(served, raw):
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "\xff"}', b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-                                 b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"])
+                                 b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"],
+                         ids=["not UTF-8", "nested 100,000 deep", "a 5001-digit number"])
 def test_a_body_json_cannot_parse_is_400_saying_malformed_json(served, raw):
     status, answer = post(served.port, COMPLETIONS, raw)
     assert status == 400 and answer["error"]["message"].startswith("malformed JSON: ")
