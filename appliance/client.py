@@ -4,6 +4,9 @@
     python -m appliance.client --startup                   # print the startup report
     python -m appliance.client --health                    # print the health status
 
+Exit status: 0 when the request finished (length, stop or eos), 1 on an RPC error or when the server aborted the
+request (the streamed text is then incomplete), 2 on bad command-line arguments.
+
     with ApplianceClient("127.0.0.1:50051") as c:
         for delta in c.generate("Hello", max_tokens=32):   # RequestOutput deltas, last one has finish_reason
             print(delta.new_text, end="")
@@ -24,7 +27,7 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from appliance.core.request import RequestOutput
+from appliance.core.request import FinishReason, RequestOutput
 from appliance.core.secrets import AUTH_TOKEN_ENV
 from appliance.core.tables import startup_report_table
 from appliance.serve.api import appliance_pb2 as pb
@@ -174,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 u = last.usage
                 print(f"[{last.finish_reason.value}: prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
                       f"cached prompt {u.cached_prompt_tokens} tokens]", file=sys.stderr)
+            if last is None or last.finish_reason in (None, FinishReason.ABORTED):
+                print("error: the server aborted the request before it finished (e.g. it is shutting down); "
+                      "the text above is incomplete", file=sys.stderr)
+                return 1
     except grpc.RpcError as exc:
         print(rpc_error_text(exc, args.address), file=sys.stderr)
         return 1

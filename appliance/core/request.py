@@ -88,6 +88,10 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Integer ranges the engine can take (torch holds top_k in an int64 tensor and seeds a Generator with a uint64);
+# they are also the gRPC fields' ranges (int32 top_k, uint64 seed), so HTTP and gRPC refuse the same values.
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (0, 2**64)                    # [low, high)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,26 @@ class RequestLimits:
     def max_prompt_bytes(self) -> int:
         """Bytes of prompt text beyond which the prompt surely has more than max_model_len - 1 tokens."""
         return (self.max_model_len - 1) * self.max_token_bytes
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """The index of the first lone surrogate (e.g. JSON "\\ud800"), which no tokenizer can encode as UTF-8;
+    None for valid Unicode. ASCII text is answered without encoding it."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def validate_text(field_name: str, text: str) -> None:
+    """Text that cannot be UTF-8 encoded is refused naming the field, rather than failing in the tokenizer."""
+    at = lone_surrogate_at(text)
+    if at is not None:
+        raise RequestError(field_name, f"contains a lone surrogate (U+{ord(text[at]):04X} at character {at}): "
+                                       f"send valid Unicode text")
 
 
 def validate_request_id(request_id: str) -> None:
@@ -125,8 +149,10 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
         raise RequestError("sampling.temperature", f"{params.temperature} must be a finite number >= 0")
     if not 0 < params.top_p <= 1:      # also refuses NaN
         raise RequestError("sampling.top_p", f"{params.top_p} must be in (0, 1]")
-    if params.top_k < 0:
-        raise RequestError("sampling.top_k", f"{params.top_k} must be >= 0")
+    if not 0 <= params.top_k <= MAX_TOP_K:
+        raise RequestError("sampling.top_k", f"{params.top_k} must be in [0, {MAX_TOP_K}]")
+    if params.seed is not None and not SEED_RANGE[0] <= params.seed < SEED_RANGE[1]:
+        raise RequestError("sampling.seed", f"{params.seed} must be in [0, 2**64)")
     if len(params.stop) > MAX_STOP_STRINGS:
         raise RequestError("sampling.stop", f"{len(params.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     for i, stop in enumerate(params.stop):
@@ -134,6 +160,7 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
             raise RequestError(f"sampling.stop[{i}]", "must not be empty (it would end every request at once)")
         if len(stop) > MAX_STOP_STRING_CHARS:
             raise RequestError(f"sampling.stop[{i}]", f"has {len(stop)} characters; at most {MAX_STOP_STRING_CHARS}")
+        validate_text(f"sampling.stop[{i}]", stop)
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError("sampling.stop_token_ids",
                            f"{len(params.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
@@ -141,6 +168,21 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
     if bad:
         raise RequestError("sampling.stop_token_ids",
                            f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+
+
+def validate_prompt_text(text: str, limits: RequestLimits, field_name: str = "prompt") -> None:
+    """Prompt text before it is tokenized: not empty, valid Unicode, and not longer in bytes than can fit (a
+    character is at least one byte, so a long text is refused without even encoding it). The HTTP chat route
+    checks its rendered chat with this too."""
+    if not text:
+        raise RequestError(field_name, "must not be empty")
+    size = len(text) if len(text) > limits.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_prompt_bytes:
+        raise RequestError(field_name, f"{size:,} bytes of text (at least) cannot fit in max_model_len "
+                                       f"{limits.max_model_len} tokens: at most {limits.max_prompt_bytes:,} bytes "
+                                       f"({limits.max_model_len - 1} tokens x {limits.max_token_bytes} bytes, the "
+                                       f"tokenizer's longest token)")
+    validate_text(field_name, text)
 
 
 def validate_request(request_id: str, prompt: str | Sequence[int], params: SamplingParams, limits: RequestLimits,
@@ -151,15 +193,7 @@ def validate_request(request_id: str, prompt: str | Sequence[int], params: Sampl
     validate_request_id(request_id)
     validate_sampling(params, limits)
     if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt", "must not be empty")
-        # A character is at least one byte: a long text is refused without even encoding it.
-        size = len(prompt) if len(prompt) > limits.max_prompt_bytes else len(prompt.encode("utf-8", "surrogatepass"))
-        if size > limits.max_prompt_bytes:
-            raise RequestError("prompt", f"{size:,} bytes of text (at least) cannot fit in max_model_len "
-                                         f"{limits.max_model_len} tokens: at most {limits.max_prompt_bytes:,} bytes "
-                                         f"({limits.max_model_len - 1} tokens x {limits.max_token_bytes} bytes, the "
-                                         f"tokenizer's longest token)")
+        validate_prompt_text(prompt, limits)
         ids = encode(prompt)
     else:
         ids = list(prompt)

@@ -23,6 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from appliance.core.config import ModelSpec
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# The variables and functions the renderer gives templates; a caller's extra template variables must not reuse them.
+RENDERER_NAMES = frozenset(("messages", "tools", "documents", "add_generation_prompt", "additional_special_tokens",
+                            "raise_exception", "strftime_now", *SPECIAL_TOKEN_KEYS))
 
 
 class ChatTemplateError(ValueError):
@@ -90,6 +93,12 @@ class ChatTemplate:
                                         **self.special_tokens, **kwargs)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template ({self.source}) refused the messages: {exc}") from None
+        except RecursionError:      # e.g. `tojson` of a deeply nested tool definition
+            raise ChatTemplateError(f"the chat template ({self.source}) could not render the request: "
+                                    f"values nested too deeply") from None
+        except Exception as exc:  # noqa: BLE001 - template code on request data: e.g. `content + 1`, `x / 0`
+            raise ChatTemplateError(f"the chat template ({self.source}) failed on the request's values: "
+                                    f"{type(exc).__name__}: {exc}") from None
 
 
 def tokenizer_dir(model: ModelSpec) -> Path | None:

@@ -6,9 +6,11 @@
 Why in-process on the gRPC server's event loop: one engine, one wait queue and one lifecycle for both front
 ends (starting -> serving -> draining), so limits, health and shutdown agree. The same rules as gRPC: the
 bearer token (server.auth_token) on everything but /health, TLS from server.tls_cert_file/tls_key_file,
-and the engine's own request validation. Errors are OpenAI-style JSON: 400 naming the field, 401, 404 for
-another model, 429 when the wait queue is full, 503 while starting or draining. A client that disconnects
-(streaming or not) aborts its request, which frees its blocks within one engine step.
+and the engine's own request validation. Errors are OpenAI-style JSON: 400 naming the field as the client
+wrote it, 401, 404 for another model, 429 when the wait queue is full, 503 while starting or draining. A
+client that disconnects (streaming or not) aborts its request, which frees its blocks within one engine step.
+A request the server aborts (draining past its grace period) is a 503, or in a stream an error event: OpenAI
+has no finish_reason for "cut short by the server", and a client must not take the partial text as complete.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.logs import REQUEST_ID
 from appliance.core.request import (
     EngineUnavailableError,
+    FinishReason,
     QueueFullError,
     RequestError,
+    RequestLimits,
     RequestOutput,
     SamplingParams,
+    validate_prompt_text,
 )
 from appliance.serve.auth import bearer_token_matches
 from appliance.serve.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -49,8 +54,10 @@ from appliance.serve.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
+    field_path,
     finish_reason,
     invalid,
+    request_field_names,
 )
 from appliance.serve.streams import RequestStream, open_stream
 
@@ -67,10 +74,21 @@ class ServingState(Protocol):
 log = logging.getLogger("appliance.serve.http")
 OPEN_PATHS = ("/health",)                  # answered without a token so that probes work
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BODY_PARSE_ERROR = "There was an error parsing the body"     # FastAPI's HTTPException detail
 
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _unfinished_error(out: RequestOutput) -> ApiError | None:
+    """Why a finished request has no complete answer: it failed inside the engine, or the server aborted it."""
+    if out.error is not None:
+        return ApiError(500, f"the request failed inside the engine: {out.error}", type_="server_error")
+    if out.finish_reason == FinishReason.ABORTED:
+        return ApiError(503, "the server aborted the request before it finished (it is shutting down); the text "
+                             "is incomplete: retry", type_="service_unavailable", code="request_aborted")
+    return None
 
 
 class OpenAIRoutes:
@@ -93,14 +111,13 @@ class OpenAIRoutes:
                            type_="not_found_error", param="model", code="model_not_found")
 
     async def _open(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_field: str) -> RequestStream:
+                    renamed: dict[str, str]) -> RequestStream:
+        """Submit; engine refusals name the field as the client wrote it (`renamed`: engine name -> client's)."""
         srv = self.server
         try:
             return await open_stream(srv.engine, srv.executor, request_id, prompt, params)
         except RequestError as exc:
-            field = exc.field.removeprefix("sampling.")
-            field = prompt_field if field in ("prompt", "prompt_token_ids") else REQUEST_FIELDS.get(field, field)
-            raise ApiError(400, str(exc).replace(exc.field, field, 1), param=field) from None
+            raise _request_error(exc, renamed) from None
         except QueueFullError as exc:
             raise ApiError(429, f"wait queue full: {exc}; retry later", type_="rate_limit_error") from None
         except EngineUnavailableError as exc:
@@ -123,8 +140,9 @@ class OpenAIRoutes:
             return Response(status_code=499)
         text, last = collect.result()
         self._log_finished(last)
-        if last.error is not None:
-            raise ApiError(500, f"the request failed inside the engine: {last.error}", type_="server_error")
+        failure = _unfinished_error(last)
+        if failure is not None:
+            raise failure
         return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
 
     @staticmethod
@@ -146,9 +164,9 @@ class OpenAIRoutes:
                 finished = out.finished or out.error is not None
                 if out.new_text:
                     yield _sse(shape.chunk(out.new_text, None, include_usage))
-                if out.error is not None:
-                    yield _sse(ApiError(500, f"the request failed inside the engine: {out.error}",
-                                        type_="server_error").body())
+                failure = _unfinished_error(out) if finished else None
+                if failure is not None:           # the openai client raises APIError on an error event
+                    yield _sse(failure.body())
                 elif finished:
                     yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage))
                     if include_usage:
@@ -174,7 +192,7 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         prompt = body.single_prompt()
         params = body.sampling_params(default_max_tokens=16)
-        stream = await self._open(request_id, prompt, params, "prompt")
+        stream = await self._open(request_id, prompt, params, {"prompt": "prompt"})
         return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -183,21 +201,31 @@ class OpenAIRoutes:
         if self.chat_template is None:
             raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
                                       f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
-        if not body.messages:
-            raise invalid("messages", "must not be empty")
+        srv = self.server
+        limits: RequestLimits = srv.engine.limits
+        # Cheap checks first, so that a huge or many-message chat is refused before it is rendered or tokenized.
+        kwargs = body.template_kwargs()
+        body.refuse_messages_too_long(limits.max_prompt_bytes)
+        body.refuse_invalid_unicode()
+        messages = [m.template_value(i) for i, m in enumerate(body.messages)]
+        renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
+
+        def render_and_encode() -> list[int]:          # on the executor: rendering and tokenizing take time
+            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tools=body.tools, **kwargs)
+            validate_prompt_text(text, limits)        # the rendered chat is bounded like a prompt
+            return srv.engine.tokenizer.encode(text)
         try:
-            text = self.chat_template.render([m.template_value() for m in body.messages],
-                                             add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                                             **body.chat_template_kwargs)
+            ids = await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc)) from None
-        srv = self.server
-        ids = await asyncio.get_running_loop().run_in_executor(srv.executor, srv.engine.tokenizer.encode, text)
+        except RequestError as exc:
+            raise _request_error(exc, renamed) from None
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        stream = await self._open(request_id, ids, params, "messages")
+        stream = await self._open(request_id, ids, params, renamed)
         return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body)
 
     async def models(self) -> dict[str, Any]:
@@ -207,6 +235,31 @@ class OpenAIRoutes:
     async def health(self) -> Response:
         state = self.server.state
         return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
+
+
+def _request_error(exc: RequestError, renamed: dict[str, str]) -> ApiError:
+    """The engine's RequestError as a 400 naming the field the client sent (`sampling.stop[1]` -> `stop[1]`)."""
+    field = exc.field.removeprefix("sampling.")
+    field = REQUEST_FIELDS.get(field, field)
+    field = renamed.get(field, field)
+    return ApiError(400, f"{field}: {str(exc).removeprefix(exc.field + ': ')}", param=field)
+
+
+def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -> ApiError:
+    """FastAPI's validation errors as one 400: malformed JSON says so; otherwise the deepest error (the union
+    member the client most likely meant) names its field as written, with what was expected there."""
+    if errors and errors[0].get("type") == "json_invalid":
+        reason = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
+        where = errors[0].get("loc", ())[-1]
+        return ApiError(400, f"malformed JSON (at character {where}): {reason}")
+    located = [(field_path(tuple(e.get("loc", ()))[1:], names), e) for e in errors]
+    deepest = max(len(e.get("loc", ())) for _, e in located)
+    param = next(p for p, e in located if len(e.get("loc", ())) == deepest)
+    messages = list(dict.fromkeys(e.get("msg", "") for p, e in located if p == param))
+    if param is None:           # no body, or not an object: a wrong Content-Type reads as no JSON at all
+        messages.append("send a JSON object with Content-Type: application/json")
+    return ApiError(400, f"{param or 'body'}: {'; '.join(messages) if param is None else ' or '.join(messages)}",
+                    param=param)
 
 
 def _request_id(http: Request) -> str:
@@ -240,16 +293,19 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    field_names = request_field_names()
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        return await api_error(_, ApiError(400, f"{param or 'body'}: {first.get('msg')}", param=param))
+        return await api_error(_, validation_error_body(list(exc.errors()), field_names))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return await api_error(_, ApiError(exc.status_code, str(exc.detail), type_="not_found_error"
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == BODY_PARSE_ERROR:     # FastAPI's words for what json.loads refused
+            detail = ("malformed JSON: the body could not be parsed (not UTF-8, nested too deeply, or a number "
+                      "of more than 4300 digits)")
+        return await api_error(_, ApiError(exc.status_code, detail, type_="not_found_error"
                                            if exc.status_code == 404 else "invalid_request_error"))
 
     app.post("/v1/completions")(routes.completions)

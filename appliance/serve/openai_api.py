@@ -1,7 +1,9 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's types.
 
 Requests are pydantic models (FastAPI validates the JSON against them; unknown fields are ignored, as
-OpenAI-compatible servers do); responses are plain dicts in the documented OpenAI shapes. Parameters the
+OpenAI-compatible servers do), strict where the OpenAI spec is strict: `"stream": "yes"` or `"max_tokens": true`
+is a 400, not a guess (an integer is still accepted where a number is expected); responses are plain dicts in
+the documented OpenAI shapes. Parameters the
 engine cannot honour (n > 1, logprobs, penalties, logit_bias, echo) are refused with a 400 naming the field
 rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
 """
@@ -9,17 +11,22 @@ rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_id
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
-from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage, lone_surrogate_at
+from appliance.serve.chat_template import RENDERER_NAMES
 
-# Engine finish reasons as OpenAI spells them ("abort": the server aborted the request, e.g. while draining).
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
-                  FinishReason.ABORTED: "abort"}
+# Engine finish reasons as OpenAI spells them. An aborted request has none of OpenAI's reasons (stop, length,
+# content_filter, tool_calls): its stream ends with an error event instead (see OpenAIRoutes._events).
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop"}
 # Engine field names (RequestError.field) -> the OpenAI request field a client sent.
 REQUEST_FIELDS = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
+# Documented request limit (README "Request limits"): more messages are refused before any is validated or
+# rendered, so a body of many tiny messages costs the event loop no more than parsing it.
+MAX_CHAT_MESSAGES = 4096
 
 
 class ApiError(Exception):
@@ -38,11 +45,46 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
-class StreamOptions(BaseModel):
+def field_path(loc: tuple[Any, ...], names: frozenset[str]) -> str | None:
+    """A pydantic error location as the client wrote the field: `messages[0].content[1].text`, without the
+    union members pydantic adds (`prompt.str`, `content.list[ContentPart]`) or dict keys (`logit_bias.7`)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in names:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def lone_surrogate_path(value: Any, path: str) -> str | None:
+    """The first string (or dict key) under value that holds a lone surrogate, as a field path; iterative, so
+    deeply nested JSON cannot exhaust the stack."""
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            if lone_surrogate_at(item) is not None:
+                return where
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                if isinstance(key, str) and lone_surrogate_at(key) is not None:
+                    return where
+                stack.append((f"{where}.{key}", inner))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", inner) for i, inner in reversed(list(enumerate(item))))
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -108,26 +150,50 @@ class CompletionRequest(_Sampling):
         return p
 
 
-class ChatMessage(BaseModel):
+class ContentPart(_Strict):
+    """One part of a message's content; only {"type": "text", "text": "..."} is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def template_value(self) -> dict[str, Any]:
+    def text_chars(self) -> int:
+        """Characters of text this message brings to the chat (a character is at least one byte)."""
+        content = self.content if isinstance(self.content, list) else [ContentPart(type="text", text=self.content)]
+        return len(self.role) + len(self.name or "") + sum(len(part.text or "") for part in content)
+
+    def template_value(self, index: int) -> dict[str, Any]:
         """The message as chat templates read it; content parts of type text are joined."""
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise invalid("messages", "only text content parts are supported")
-            content = "".join(part.get("text", "") for part in content)
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise invalid(f"messages[{index}].content[{j}].type",
+                                  f"{part.type!r}: only text content parts are supported")
+                if part.text is None:
+                    raise invalid(f"messages[{index}].content[{j}].text", "a text part needs a string \"text\"")
+            content = "".join(part.text for part in content)
         value = {"role": self.role, "content": content or ""}
         if self.name:
             value["name"] = self.name
         return value
 
 
+def _at_most_messages(value: Any) -> Any:
+    """Counted before pydantic validates each message (its max_length counts after validating them all)."""
+    if isinstance(value, list) and len(value) > MAX_CHAT_MESSAGES:
+        raise PydanticCustomError("too_many_messages", "{count} messages; at most {limit}",
+                                  {"count": f"{len(value):,}", "limit": MAX_CHAT_MESSAGES})
+    return value
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], BeforeValidator(_at_most_messages)]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -135,6 +201,46 @@ class ChatCompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name the client used for the completion length, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, refusing the names the renderer sets itself (messages, tools, bos_token...)."""
+        reserved = sorted(RENDERER_NAMES.intersection(self.chat_template_kwargs))
+        if reserved:
+            raise invalid("chat_template_kwargs", f"{reserved[0]!r} is set by the server (reserved: "
+                                                  f"{', '.join(sorted(RENDERER_NAMES))}); send messages, tools and "
+                                                  f"add_generation_prompt as top-level fields")
+        return self.chat_template_kwargs
+
+    def refuse_messages_too_long(self, max_prompt_bytes: int) -> None:
+        """Message text that alone exceeds the prompt byte bound is refused before anything is rendered."""
+        if not self.messages:
+            raise invalid("messages", "must not be empty")
+        chars = sum(m.text_chars() for m in self.messages)
+        if chars > max_prompt_bytes:
+            raise invalid("messages", f"{chars:,} characters of message text (at least as many bytes) cannot fit "
+                                      f"in the model's context: at most {max_prompt_bytes:,} bytes")
+
+    def refuse_invalid_unicode(self) -> None:
+        """A lone surrogate anywhere the template may render it, named by its field path."""
+        for i, message in enumerate(self.messages):
+            bad = lone_surrogate_path(message.model_dump(exclude_none=True), f"messages[{i}]")
+            if bad:
+                raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
+        for name in ("tools", "chat_template_kwargs"):
+            bad = lone_surrogate_path(getattr(self, name), name)
+            if bad:
+                raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
+
+
+def request_field_names() -> frozenset[str]:
+    """Every field name of the request models, to tell them from union members in pydantic error locations."""
+    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions]
+    return frozenset(name for model in models for name in model.model_fields)
 
 
 # -- responses ---------------------------------------------------------------------------------------
@@ -148,7 +254,8 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
 
 
 def finish_reason(out: RequestOutput) -> str | None:
-    return FINISH_REASONS[FinishReason(out.finish_reason)] if out.finish_reason is not None else None
+    """OpenAI's finish_reason; None while running and for an aborted request (which has no OpenAI reason)."""
+    return FINISH_REASONS.get(FinishReason(out.finish_reason)) if out.finish_reason is not None else None
 
 
 class ResponseShape:

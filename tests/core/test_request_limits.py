@@ -12,9 +12,12 @@ from appliance.core.request import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    SEED_RANGE,
     RequestError,
     RequestLimits,
     SamplingParams,
+    validate_prompt_text,
     validate_request,
 )
 
@@ -83,14 +86,16 @@ def test_a_text_that_encodes_to_nothing_is_refused_as_an_empty_prompt():
 
 def test_the_byte_bound_counts_bytes_for_text_that_fits_by_characters():
     """252 bytes of text may fit in 63 tokens of at most 4 bytes; 253 cannot. Characters of two bytes each reach
-    the bound at half as many characters, and surrogates (kept by the surrogatepass encoder) count 3 bytes."""
+    the bound at half as many characters, and surrogates (kept by the surrogatepass encoder) count 3 bytes: text
+    past the bound is refused for its size before it is refused for the lone surrogates in it."""
     bound = LIMITS.max_prompt_bytes
     assert bound == 252
     one_token = lambda text: [1]    # noqa: E731 - the token count is not what is checked here
     validate_request("r", "\u00e9" * (bound // 2), OK, LIMITS, one_token)
     with pytest.raises(RequestError, match="253 bytes of text"):
         validate_request("r", "\u00e9" * (bound // 2) + "a", OK, LIMITS, one_token)
-    validate_request("r", "\ud800" * (bound // 3), OK, LIMITS, one_token)
+    with pytest.raises(RequestError, match="lone surrogate"):
+        validate_request("r", "\ud800" * (bound // 3), OK, LIMITS, one_token)
     with pytest.raises(RequestError, match="255 bytes of text"):
         validate_request("r", "\ud800" * (bound // 3 + 1), OK, LIMITS, one_token)
 
@@ -106,7 +111,8 @@ def test_request_id_is_checked_before_sampling_and_sampling_before_the_prompt():
     (dataclasses.replace(OK, max_tokens=-2), "-2", "> 0"),
     (dataclasses.replace(OK, temperature=-0.5), "-0.5", ">= 0"),
     (dataclasses.replace(OK, top_p=1.5), "1.5", "(0, 1]"),
-    (dataclasses.replace(OK, top_k=-3), "-3", ">= 0"),
+    (dataclasses.replace(OK, top_k=-3), "-3", f"[0, {MAX_TOP_K}]"),
+    (dataclasses.replace(OK, seed=2**64), f"{2**64}", "[0, 2**64)"),
     (dataclasses.replace(OK, stop=("s",) * (MAX_STOP_STRINGS + 1)), f"{MAX_STOP_STRINGS + 1}", f"{MAX_STOP_STRINGS}"),
     (dataclasses.replace(OK, stop=("s", "")), "", "must not be empty"),
     (dataclasses.replace(OK, stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))), f"{MAX_STOP_TOKEN_IDS + 1}",
@@ -189,3 +195,47 @@ def test_prompt_plus_max_tokens_over_max_model_len_names_all_three_numbers():
         check(prompt=[1] * 60, params=dataclasses.replace(OK, max_tokens=5))
     assert info.value.field == "sampling.max_tokens"
     assert "prompt (60 tokens) + max_tokens (5) exceeds max_model_len 64" in str(info.value)
+
+
+# -- integer ranges the engine step can take, and text the tokenizer can encode (issue 24 item 2) ----------------
+
+@pytest.mark.parametrize("at_bound, past_bound, field", [
+    (dict(top_k=MAX_TOP_K), dict(top_k=MAX_TOP_K + 1), "sampling.top_k"),
+    (dict(top_k=MAX_TOP_K), dict(top_k=2**63), "sampling.top_k"),
+    (dict(seed=2**64 - 1), dict(seed=2**64), "sampling.seed"),
+    (dict(seed=0), dict(seed=-1), "sampling.seed"),
+])
+def test_top_k_and_seed_are_refused_outside_the_engines_integer_ranges(at_bound, past_bound, field):
+    check(params=dataclasses.replace(OK, **at_bound))
+    assert refused_field(params=dataclasses.replace(OK, **past_bound)) == field
+
+
+def test_the_bounds_of_top_k_and_seed_are_values_the_sampler_takes():
+    """The accepted extremes really run in a sampling step (the refused ones used to fail there)."""
+    torch = pytest.importorskip("torch")
+    from npu.sampler import Sampler
+
+    logits = torch.zeros(1, 8)
+    params = SamplingParams(temperature=1.0, top_k=MAX_TOP_K, seed=SEED_RANGE[1] - 1)
+    assert 0 <= Sampler(torch.device("cpu")).sample(logits, [("r", params)])[0] < 8
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(prompt="\ud800"), "prompt"),
+    (dict(prompt="fine text then \udfff"), "prompt"),
+    (dict(prompt="caf\u00e9 \ud83d"), "prompt"),                       # half of an emoji's surrogate pair
+    (dict(params=dataclasses.replace(OK, stop=("ok", "\ud800"))), "sampling.stop[1]"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_field_before_tokenizing(kw, field):
+    def never_called(text: str) -> list[int]:
+        raise AssertionError("the text was tokenized")
+    with pytest.raises(RequestError, match="lone surrogate") as info:
+        validate_request("r", kw.get("prompt", "a prompt"), kw.get("params", OK), LIMITS, never_called)
+    assert info.value.field == field
+
+
+def test_the_chat_route_checks_rendered_text_by_the_same_rules():
+    with pytest.raises(RequestError, match="bytes of text") as info:
+        validate_prompt_text("a" * (LIMITS.max_prompt_bytes + 1), LIMITS, "messages")
+    assert info.value.field == "messages"
+    validate_prompt_text("a" * LIMITS.max_prompt_bytes, LIMITS, "messages")

@@ -67,6 +67,7 @@ class FakeEngine:
         self.rc, self.step_s, self.max_requests, self.start_error = rc, step_s, max_requests, start_error
         self.start_gate, self.drain_gate = start_gate, drain_gate
         self.tokenizer = ByteTokenizer()
+        self.limits = RequestLimits(self.VOCAB, rc.max_model_len, self.tokenizer.max_token_bytes)
         self.report: StartupReport | None = None
         self.requests: dict[str, FakeRequest] = {}
         self.aborted: list[str] = []
@@ -113,9 +114,7 @@ class FakeEngine:
     def submit(self, request_id, prompt, params, on_output=None):
         if self.report is None or self.draining:
             raise EngineUnavailableError("starting" if self.report is None else "draining")
-        ids = validate_request(request_id, prompt, params,    # the engine's own validation
-                               RequestLimits(self.VOCAB, self.rc.max_model_len, self.tokenizer.max_token_bytes),
-                               self.tokenizer.encode)
+        ids = validate_request(request_id, prompt, params, self.limits, self.tokenizer.encode)  # the engine's own
         with self._lock:
             if request_id in self.requests:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")

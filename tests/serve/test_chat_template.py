@@ -76,3 +76,24 @@ def test_no_template_is_none(tmp_path):
     model = tokenizer_dir(tmp_path, "")
     assert load_chat_template(model) is None
     assert load_chat_template(load_runtime_config([]).model) is None      # random weights, built tokenizer
+
+
+def test_tools_nested_past_the_recursion_limit_are_a_template_error_not_a_crash():
+    """`tojson` of a value nested deeper than Python's recursion limit (JSON allows it, pydantic passes it)."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    template = ChatTemplate.compile(RICH_TEMPLATE, "test")
+    with pytest.raises(ChatTemplateError, match="nested too deeply"):
+        template.render(MESSAGES, tools=[{"type": "function", "function": {"parameters": deep}}])
+
+
+@pytest.mark.parametrize("template, kwargs", [
+    ("{{ messages[0]['content'] + 1 }}", {}),                                  # TypeError on a string
+    ("{{ 1 / (messages | length - 4) }}", {}),                                 # ZeroDivisionError
+    ("{{ lang + 1 }}", {"lang": "en"}),                                           # a caller's template variable
+])
+def test_a_template_failing_on_the_request_values_is_a_template_error(template, kwargs):
+    """Untrusted template code on request data: any failure is the request's 400, not the server's 500."""
+    with pytest.raises(ChatTemplateError, match="failed on the request's values"):
+        ChatTemplate.compile(template, "test").render(MESSAGES, **kwargs)

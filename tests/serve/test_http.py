@@ -183,3 +183,43 @@ def test_a_broken_chat_template_stops_startup_naming_the_file(base_rc, tmp_path)
     server = ApplianceServer(rc, FakeEngine(rc))
     with pytest.raises(ConfigError, match="tokenizer_config.json .chat_template. does not compile"):
         asyncio.run(server.run())
+
+
+def _abort_once_running(srv: Running, request_id: str) -> threading.Thread:
+    """The server side aborts the request once it runs (what a drain past its grace period does)."""
+    def abort():
+        wait_for(lambda: request_id in srv.engine.requests, 10, "the request to run")
+        srv.engine.abort(request_id)
+    thread = threading.Thread(target=abort, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stream_the_server_aborts_ends_with_an_error_event_not_a_finish_reason(running):
+    """OpenAI has no finish_reason for "cut short by the server" ("abort" is vLLM's, outside the spec): the stream
+    ends with an error event, which the openai client raises as APIError, so the partial text is not taken as whole."""
+    srv = running(step_s=0.05)
+    port = http_port(srv)
+    _abort_once_running(srv, "cut-short-stream")
+    chunks = []
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.APIError) as info:
+            for chunk in c.completions.create(model="deepseek-v4-tiny", prompt="hi", max_tokens=400, stream=True,
+                                              extra_headers={"x-request-id": "cut-short-stream"}):
+                chunks.append(chunk)
+    assert "aborted" in info.value.message and info.value.body["code"] == "request_aborted"
+    assert all(chunk.choices[0].finish_reason is None for chunk in chunks)
+
+    _abort_once_running(srv, "cut-short-raw")
+    conn = _stream(port, {"prompt": "cut-short-raw", "max_tokens": 400, "stream": True})
+    events = [e for e in conn.getresponse().read().decode().split("\n\n") if e]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_aborted"
+    assert events[-1] == "data: [DONE]" and '"abort"' not in "".join(events)
+
+
+def test_a_request_the_server_aborts_is_a_503_not_a_200(running):
+    srv = running(step_s=0.05)
+    _abort_once_running(srv, "cut-short")
+    status, body = request(http_port(srv), "/v1/completions", {"prompt": "hi", "max_tokens": 400},
+                           headers={"x-request-id": "cut-short"})
+    assert status == 503 and body["error"]["code"] == "request_aborted"

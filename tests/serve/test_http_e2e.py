@@ -160,6 +160,9 @@ def test_models_and_health(client, served):
     (dict(prompt=[10**6], max_tokens=2), "prompt"),
     (dict(prompt="hi", n=2), "n"),
     (dict(prompt="hi", max_tokens="many"), "max_tokens"),
+    (dict(prompt="hi", max_tokens=True), "max_tokens"),                                 # strict: not 1
+    (dict(prompt="hi", temperature=1, seed=2**64), "seed"),              # failed in the sampling step (a 500)
+    (dict(prompt="hi", temperature=1, extra_body={"top_k": 2**63}), "top_k"),
 ])
 def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -180,6 +183,23 @@ def test_auth_model_and_template_errors(client, served):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="qwen3-tiny", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
     assert "unknown role tool" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "\ud800", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, "messages[0].content[0].text"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x" * (16 << 20)}]}, "messages"),
+])
+def test_bad_chats_are_400_naming_the_field(served, body, param):
+    """Through the real tokenizer and template; each was a 500 (or a 16 MB tokenization) before issue 24."""
+    _, port = served
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    assert info.value.code == 400 and json.loads(info.value.read())["error"]["param"] == param
 
 
 def open_stream(port: int, max_tokens: int = 1000) -> http.client.HTTPConnection:
