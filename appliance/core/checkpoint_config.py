@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from appliance.core.archs import architecture
-from appliance.core.archs.hf_config import HfConfigError, check_value_kinds, identity_issue, values_agree
+from appliance.core.archs.hf_config import HfConfigError, check_value_kinds, identity_issue, json_kind, values_agree
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 
@@ -27,7 +27,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         raise CheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
                               f"checkpoint's config.json") from None
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"checkpoint file {str(path)!r} holds {json.dumps(cfg)[:40]}, not a JSON object. "
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {json_kind(cfg)}, not an object. "
                               f"Fix: restore the checkpoint's config.json")
     arch = architecture(model.arch)
     identity = identity_issue(cfg, arch.hf_architectures, arch.hf_model_types)

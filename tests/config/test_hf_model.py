@@ -151,8 +151,8 @@ def without(config: dict, key: str) -> dict:
 # Issue 24 item 4: every malformed config.json is one message naming the file and the key (and what the key
 # must hold), never a traceback, a char-by-char list or a silently guessed shape.
 BAD_CONFIGS = {
-    "a list": ([QWEN3], "(top level): is [{"),
-    "null": (None, "(top level): is null, not a JSON object"),
+    "a list": ([QWEN3], "(top level): is a JSON list, not an object"),
+    "null": (None, "(top level): is a JSON null, not an object"),
     "a float width": ({**QWEN3, "hidden_size": 64.5}, "hidden_size: 64.5 is not an integer"),
     "a bool layer count": ({**QWEN3, "num_hidden_layers": True}, "num_hidden_layers: true is not an integer"),
     "a string layer count": ({**QWEN3, "num_hidden_layers": "2"}, 'num_hidden_layers: "2" is not an integer'),

@@ -105,10 +105,17 @@ def check_kind(key: str, value: Any, kind: Any, layout_key: str | None = None) -
         raise HfConfigError(key, f"{json.dumps(value, default=repr)} is not {kind_name(kind)}{fills}")
 
 
+def json_kind(value: Any) -> str:
+    """What JSON calls the kind of a json.loads value: list, null, string, number, boolean or object."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "boolean"
+    return {list: "list", str: "string", dict: "object"}.get(type(value), "number")
+
+
 def config_object(cfg: Any) -> dict[str, Any]:
     """config.json's top level: an object, or HfConfigError."""
     if not isinstance(cfg, dict):
-        raise HfConfigError("(top level)", f"is {json.dumps(cfg)[:40]}, not a JSON object of keys")
+        raise HfConfigError("(top level)", f"is a JSON {json_kind(cfg)}, not an object")
     return cfg
 
 
