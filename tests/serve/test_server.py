@@ -378,12 +378,20 @@ def test_client_cancel_aborts_the_request_and_frees_its_blocks(running):
 
 
 def test_client_deadline_aborts_the_request(running):
-    srv = running(step_s=0.05)                       # 400 tokens take 20 s: the deadline comes first
+    srv = running(step_s=3600)                       # the engine never steps: only the deadline ends the call
     c = srv.client()
-    stream = c.generate("a", max_tokens=400, request_id="slow", timeout=3)
-    next(stream)                                     # the request is in the engine
-    err = rpc_error(lambda: list(stream))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    ended = {}
+
+    def call():
+        try:
+            list(c.generate("a", max_tokens=400, request_id="slow", timeout=3))
+        except grpc.RpcError as exc:
+            ended["code"] = exc.code()
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: "slow" in srv.engine.requests, what="the request in the engine")
+    caller.join(30)
+    assert ended == {"code": grpc.StatusCode.DEADLINE_EXCEEDED}
     wait_for(lambda: "slow" in srv.engine.aborted, what="abort")
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
 
