@@ -4,8 +4,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests draw the same examples on every run and every machine (derandomize: examples from a seed
+# fixed by each test's source, no example database), so a run that passes is not luck and a failure
+# reproduces anywhere. HYPOTHESIS_PROFILE=explore draws fresh random examples (and keeps the database) to hunt.
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 def run_cli(*args: str, module: str = "appliance", timeout: float = 120, cwd: Path | None = None,

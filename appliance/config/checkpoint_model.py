@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from appliance.config import schema
-from appliance.core.archs import architecture_for_hf
+from appliance.core.archs import architecture_for_hf, hf_config
 from appliance.core.archs.hf_config import HfConfigError, values_agree
 from appliance.core.errors import ConfigIssue
 
@@ -41,9 +41,18 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
         return [ConfigIssue("model.weights", model.weights, f"{path} does not exist: model.weights must be a "
                                                             f"checkpoint directory with config.json")]
     try:
-        cfg = json.loads(path.read_text())
-        arch = architecture_for_hf(list(cfg.get("architectures") or []))
+        cfg = hf_config.config_object(json.loads(path.read_text()))
+        hf_config.check_kind("architectures", cfg.get("architectures"), list[str] | None)
+        arch = architecture_for_hf(cfg.get("architectures") or [])
+        hf_config.check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds)
+        if hf_config.identity_issue(cfg, arch.hf_architectures, arch.hf_model_types):
+            raise HfConfigError("model_type", f"{json.dumps(cfg['model_type'])} disagrees with architectures="
+                                              f"{cfg['architectures']} (model_type of {arch.name}: "
+                                              f"{' or '.join(arch.hf_model_types)})")
         hf = arch.layout_from_hf_config(cfg)
+        hf_config.check_layout_kinds(hf)
+    except (OSError, UnicodeDecodeError) as exc:
+        return [ConfigIssue("model.weights", model.weights, f"{path} is not readable: {exc}")]
     except json.JSONDecodeError as exc:
         return [ConfigIssue("model.weights", model.weights, f"{path} is not valid JSON: {exc}")]
     except KeyError as exc:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from appliance.core.archs import architecture
-from appliance.core.archs.hf_config import values_agree
+from appliance.core.archs.hf_config import HfConfigError, check_value_kinds, identity_issue, json_kind, values_agree
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 
@@ -27,10 +27,20 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         raise CheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
                               f"checkpoint's config.json") from None
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {type(cfg).__name__}, not an object. "
+        raise CheckpointError(f"checkpoint file {str(path)!r} holds a JSON {json_kind(cfg)}, not an object. "
                               f"Fix: restore the checkpoint's config.json")
     arch = architecture(model.arch)
-    cfg = arch.config_view(cfg)
+    identity = identity_issue(cfg, arch.hf_architectures, arch.hf_model_types)
+    if identity:
+        raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} is not a {arch.name} checkpoint: {path.name} says "
+                              f"{identity}, model {model.name!r} is arch {arch.name}. Fix: pick the model YAML "
+                              f"this checkpoint was made for (+model=...), or serve it with +model=hf")
+    try:
+        check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds)
+        cfg = arch.config_view(cfg)
+    except HfConfigError as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r}: {exc}. Fix: restore the checkpoint's "
+                              f"config.json") from None
     lay = model.layout
     bad = [f"config.json {key}={cfg[key]!r} is not supported (only {value!r})"
            for key, value in arch.config_fixed.items() if key in cfg and cfg[key] != value]

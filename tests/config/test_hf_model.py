@@ -71,12 +71,22 @@ def test_unknown_architecture_lists_the_supported(tmp_path):
     assert sorted(HF_ARCHITECTURES) == ["DeepseekV4ForCausalLM", "Qwen3ForCausalLM"]
 
 
+# A complete Qwen3 config.json as transformers writes its shape keys (the optional ones left out).
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
+         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 16}
+DSV4_SHAPES = {"architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "head_dim": 32, "vocab_size": 512, "q_lora_rank": 32,
+               "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 2,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 2}
+
+
 @pytest.mark.parametrize("config, message", [
     (None, "does not exist"),
-    ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    ({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope_scaling: {'rope_type': 'yarn', 'factor': 4.0} is not supported"),
-    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
-    ({"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 3}, "needs layer_types"),
+    ({**QWEN3, "use_sliding_window": True}, "use_sliding_window"),
+    ({**DSV4_SHAPES}, "needs layer_types"),
 ])
 def test_bad_checkpoint_configs_are_config_errors(tmp_path, config, message):
     if config is not None:
@@ -132,3 +142,96 @@ def test_cli_disagreement_exits_2(qwen3_dir, cli):
     result = cli("+model=hf", f"model.weights={path}", "model.layout.head_dim=8", "mode=validate")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.layout.head_dim = 8: disagrees with" in result.stderr and "head_dim=16" in result.stderr
+
+
+def without(config: dict, key: str) -> dict:
+    return {k: v for k, v in config.items() if k != key}
+
+
+# Issue 24 item 4: every malformed config.json is one message naming the file and the key (and what the key
+# must hold), never a traceback, a char-by-char list or a silently guessed shape.
+BAD_CONFIGS = {
+    "a list": ([QWEN3], "(top level): is a JSON list, not an object"),
+    "null": (None, "(top level): is a JSON null, not an object"),
+    "a float width": ({**QWEN3, "hidden_size": 64.5}, "hidden_size: 64.5 is not an integer"),
+    "a bool layer count": ({**QWEN3, "num_hidden_layers": True}, "num_hidden_layers: true is not an integer"),
+    "a string layer count": ({**QWEN3, "num_hidden_layers": "2"}, 'num_hidden_layers: "2" is not an integer'),
+    "a string eps": ({**QWEN3, "rms_norm_eps": "1e-6"}, 'rms_norm_eps: "1e-6" is not a finite number'),
+    "an int for a bool": ({**QWEN3, "tie_word_embeddings": 1}, "tie_word_embeddings: 1 is not true or false"),
+    "a number dtype": ({**QWEN3, "dtype": 16}, "dtype: 16 is not a string"),
+    "a float context": ({**QWEN3, "max_position_embeddings": 4096.5}, "max_position_embeddings: 4096.5 is not an"),
+    "a string theta": ({**QWEN3, "rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}},
+                       'rope_parameters.rope_theta: "1e6" is not a finite number'),
+    "architectures a string": ({**QWEN3, "architectures": "Qwen3ForCausalLM"},
+                               'architectures: "Qwen3ForCausalLM" is not a list of strings'),
+    "hidden_size missing": (without(QWEN3, "hidden_size"), "hidden_size: is missing from config.json"),
+    "head_dim missing": (without(QWEN3, "head_dim"), "head_dim: is missing from config.json"),
+    "model_type of another arch": ({**QWEN3, "model_type": "deepseek_v4"}, 'model_type: "deepseek_v4" disagrees'),
+    "dsv4 hidden_size missing": (without(DSV4_SHAPES, "hidden_size"), "hidden_size: is missing"),
+    "dsv4 float experts": ({**DSV4_SHAPES, "n_routed_experts": 4.0}, "n_routed_experts: 4.0 is not an integer"),
+    "dsv4 layer_types a string": ({**DSV4_SHAPES, "layer_types": "sliding_attention"},
+                                  'layer_types: "sliding_attention" is not a list of strings'),
+    "dsv4 fractional rope dims": ({**without(DSV4_SHAPES, "qk_rope_head_dim"), "partial_rotary_factor": 0.3,
+                                   "layer_types": ["sliding_attention"] * 3}, "partial_rotary_factor: 0.3 x head_dim"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_malformed_config_json_is_one_message_naming_file_and_key(tmp_path, case):
+    config, message = BAD_CONFIGS[case]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    [issue] = info.value.issues
+    assert issue.path == "model.weights"
+    assert f"{tmp_path / 'config.json'}: {message}" in issue.rule
+
+
+def test_a_float_compress_rate_is_named(tmp_path):
+    """Only a compressed layer reads its rate: the float reaches the layout and is refused there."""
+    config = {**DSV4_SHAPES, "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                                             "heavily_compressed_attention"],
+              "compress_rates": {"compressed_sparse_attention": 4.5}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    assert "config.json: layer_types: [0, 4.5, 128, 0] is not a list of integers" in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["a list", "a float width", "hidden_size missing", "architectures a string"])
+def test_cli_malformed_config_json_exits_2_without_traceback(tmp_path, cli, case):
+    config, message = BAD_CONFIGS[case]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    result = cli("+model=hf", f"model.weights={tmp_path / 'ckpt'}", "mode=validate")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and message in result.stderr and "config.json" in result.stderr
+
+
+def test_optional_keys_take_transformers_defaults(tmp_path):
+    """The documented optional keys: left out, they are what transformers' Qwen3Config assumes."""
+    (tmp_path / "config.json").write_text(json.dumps(without(QWEN3, "num_key_value_heads")))
+    lay = load_runtime_config(["+model=hf", f"model.weights={tmp_path}"]).model.layout
+    assert (lay.num_kv_heads, lay.rms_norm_eps, lay.rope_theta, lay.tie_word_embeddings, lay.max_model_len_cap,
+            lay.dtype) == (4, 1e-6, 10000.0, False, 32768, "float32")
+
+
+@pytest.mark.parametrize("other", [{"architectures": ["DeepseekV4ForCausalLM"]}, {"model_type": "deepseek_v4"}],
+                         ids=["architectures", "model_type"])
+def test_model_yaml_refuses_a_checkpoint_of_another_architecture(tmp_path, cli, other):
+    """+model=qwen3_tiny with a checkpoint whose config.json says DeepSeek V4: refused at validate, exit 2."""
+    config = {**QWEN3, **other}
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    result = cli("+model=qwen3_tiny", f"model.weights={tmp_path / 'ckpt'}", "mode=validate")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "is not a qwen3 checkpoint: config.json says" in result.stderr and any(name in result.stderr for name in ("['DeepseekV4ForCausalLM']", "'deepseek_v4'"))
+
+
+def test_model_yaml_refuses_a_config_json_of_the_wrong_kind(tmp_path, cli):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**QWEN3, "num_hidden_layers": True}))
+    result = cli("+model=qwen3_tiny", f"model.weights={tmp_path / 'ckpt'}", "mode=validate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "config.json': num_hidden_layers: true is not an integer" in result.stderr

@@ -55,6 +55,7 @@ def test_a_missing_weights_directory_is_reported_as_the_directory_not_the_tokeni
     (None, ["has no config.json", "Fix: copy"]),
     ("{not json", ["config.json' is not readable JSON"]),
     ("[1, 2]", ["holds a JSON list, not an object"]),
+    ("null", ["holds a JSON null, not an object"]),
 ])
 def test_config_json_missing_or_unreadable(checkpoint, content, words):
     path, model = checkpoint

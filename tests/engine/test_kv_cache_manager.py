@@ -270,6 +270,28 @@ def test_prefix_hit_shares_whole_blocks_and_recomputes_the_last_token():
     assert m.prefix_stats.query_tokens == 40 * 4 + 32
 
 
+@pytest.mark.parametrize("position", [0, 7, 15], ids=["first", "middle", "last"])
+def test_a_block_differing_in_any_one_token_never_hits(position):
+    """Fixed cases for what the property tests find only by chance: a prompt that differs from a cached one
+    in one token of block 1 (its first, a middle or its last) shares block 0 and nothing after it."""
+    m = qwen3_tiny()
+    prompt = list(range(100, 140))                   # 40 tokens: blocks 0 and 1 complete (16 tokens each)
+    run_prompt(m, "a", prompt)
+    other = list(prompt)
+    other[16 + position] = 7
+    assert m.match_prefix("b", other) == 16
+    assert m.block_tables("b")["kv"] == m.block_tables("a")["kv"][:1]
+
+
+@pytest.mark.parametrize("position", range(16))
+def test_every_token_of_a_block_is_in_its_hash(position):
+    tokens = list(range(32))
+    changed = list(tokens)
+    changed[16 + position] = 999
+    first, second = extend_block_hashes([], tokens, 16, 2), extend_block_hashes([], changed, 16, 2)
+    assert first[0] == second[0] and first[1] != second[1]
+
+
 def test_shared_pages_are_never_written_new_tokens_get_fresh_pages():
     m = qwen3_tiny()
     prompt = list(range(50))

@@ -76,6 +76,29 @@ def test_hash_routing_picks_the_table_and_weights_sum_to_the_scale():
     assert torch.allclose(weights, picked_scores / picked_scores.sum(-1, keepdim=True) * 1.5)   # ... unweighted by it
 
 
+def top_k_by_sorting(selection: torch.Tensor, k: int) -> list[set[int]]:
+    """Each row's k largest entries, found by a full sort (not torch.topk, which route uses)."""
+    return [set(row.argsort(descending=True)[:k].tolist()) for row in selection]
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_learned_routing_picks_exactly_the_top_k_of_score_plus_bias(scoring_func, k):
+    """As released (noaux_tc): the k experts of largest score + bias, k distinct ones per token; their weights
+    are the unbiased scores, renormalized and scaled."""
+    gen = torch.Generator().manual_seed(k)
+    n, dim, experts = 32, 16, 8
+    h, gate = torch.randn(n, dim, generator=gen), torch.randn(experts, dim, generator=gen)
+    bias = torch.randn(experts, generator=gen)
+    logits = h @ gate.t()
+    scores = torch.sigmoid(logits) if scoring_func == "sigmoid" else torch.log1p(logits.exp()).sqrt()
+    weights, picked = route(h, gate, scoring_func, k, 1.5, bias=bias)
+    assert picked.shape == weights.shape == (n, k)
+    assert [set(row.tolist()) for row in picked] == top_k_by_sorting(scores + bias, k)   # k distinct, the top k
+    picked_scores = scores.gather(1, picked)
+    assert torch.allclose(weights, picked_scores / picked_scores.sum(-1, keepdim=True) * 1.5, atol=1e-6)
+
+
 def test_runner_hash_layers_route_by_tid2eid(monkeypatch):
     """Through the runner: layer 0 (num_hash_layers = 1) sends each token to exactly tid2eid[token], the
     other layers to learned top-k experts; every token's routing weights sum to routed_scaling_factor."""
@@ -96,6 +119,37 @@ def test_runner_hash_layers_route_by_tid2eid(monkeypatch):
     assert not torch.equal(seen[1][1], table[torch.tensor(tokens)])
     for weights, _ in seen:
         assert torch.allclose(weights.sum(-1), torch.full((len(tokens),), m.layout.routed_scaling_factor))
+
+
+
+def test_runner_routes_every_token_to_exactly_k_experts_in_every_layer(monkeypatch):
+    """Every layer, hashed or learned, sends each token to num_experts_per_tok distinct experts; a learned
+    layer's are the top k of sqrtsoftplus(h Wg) + bias, recomputed here from the layer's input and weights."""
+    m = load_runtime_config([]).model
+    k = m.layout.num_experts_per_tok
+    assert 1 < k < m.layout.num_experts and m.layout.num_hash_layers >= 1
+    runner = DeepseekV4Runner(m, "cpu")
+    runner.load_weights()
+    runner.allocate_pools({s.name: s.max_blocks_per_seq for s in m.cache_groups}, 1)
+    seen = []
+    real = moe_module.routed_experts
+    monkeypatch.setattr("npu.deepseek_v4.routed_experts",
+                        lambda h, w, e, *a: seen.append((h, e)) or real(h, w, e, *a))
+    tokens = [random.Random(1).randrange(m.layout.vocab_size) for _ in range(11)]
+    tables = {s.name: list(range(s.max_blocks_per_seq)) for s in m.cache_groups}
+    runner.execute(StepBatch([SeqStep("r", tokens, 0, tables)]))
+    assert len(seen) == m.layout.num_layers
+    for layer, (h, experts) in enumerate(seen):
+        assert experts.shape == (len(tokens), k), layer
+        assert all(len(set(row.tolist())) == k for row in experts), layer
+        if layer < m.layout.num_hash_layers:
+            table = runner.params[f"layers.{layer}.ffn.gate.tid2eid"]
+            assert table.shape[1] == k and torch.equal(experts, table[torch.tensor(tokens)])
+            continue
+        gate = runner.params[f"layers.{layer}.ffn.gate.weight"].float()
+        bias = runner.params[f"layers.{layer}.ffn.gate.bias"].float()
+        scores = torch.log1p((h.float() @ gate.t()).exp()).sqrt()
+        assert [set(row.tolist()) for row in experts] == top_k_by_sorting(scores + bias, k), layer
 
 
 def window_rows(num_windows: int, ratio: int, width: int, ca: float, cb: float) -> torch.Tensor:

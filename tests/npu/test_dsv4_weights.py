@@ -78,15 +78,54 @@ def quantized_tiny():
     return m.model
 
 
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)      # code & 7; bit 3 is the sign
+
+
+def dequantize_from_the_format(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Written from the formats' definitions, not with npu.quant: a ue8m0 byte e is 2 ** (e - 127); FP8 e4m3
+    values (torch's own conversion) times their [block, block] tile's scale; FP4 e2m1 two codes per byte,
+    the low nibble first, times the scale of each run of 32 columns. Float64 throughout, rounded once."""
+    factor = torch.exp2(scale.view(torch.uint8).to(torch.float64) - 127)
+    if values.dtype == torch.float8_e4m3fn:
+        rows, cols = values.shape
+        factor = factor.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+        return values.to(torch.float64) * factor
+    packed = values.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    magnitude = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes & 7]
+    return torch.where(codes & 8 > 0, -magnitude, magnitude) * factor.repeat_interleave(32, 1)
+
+
+def dense_from_the_format(state: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Every tensor with a `.scale` sibling dequantized by dequantize_from_the_format (to float32), scales dropped."""
+    scales = {k.removesuffix(".scale") + ".weight" for k in state if k.endswith(".scale")}
+    return {k: dequantize_from_the_format(v, state[k.removesuffix(".weight") + ".scale"], block).float()
+            if k in scales else v for k, v in state.items() if not k.endswith(".scale")}
+
+
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    """A quantized tiny checkpoint (FP8 linears with 32 x 32 blocks, FP4 experts) and its dense twin."""
+    """A quantized tiny checkpoint (FP8 linears with 32 x 32 blocks, FP4 experts) and its dense twin, the twin
+    dequantized from the formats' definitions (not by npu.quant, which the quantized runner uses)."""
     model = quantized_tiny()
+    assert model.layout.dtype == "float32"
     root = tmp_path_factory.mktemp("dsv4_quantized")
     quantized = write_tiny_checkpoint(root / "fp8_fp4", model, seed=4, std=0.1)
     state = load_file(str(quantized / "model.safetensors"))
-    dense = save_checkpoint(root / "dense", dense_twin(model), dequantize_state(state, model))
+    dense = save_checkpoint(root / "dense", dense_twin(model),
+                            dense_from_the_format(state, model.layout.quant_block_size))
     return model, quantized, dense
+
+
+def test_dequantize_state_equals_the_formats_definitions(twins):
+    model, quantized, _ = twins
+    state = load_file(str(quantized / "model.safetensors"))
+    ours, theirs = dequantize_state(state, model), dense_from_the_format(state, model.layout.quant_block_size)
+    assert ours.keys() == theirs.keys()
+    assert sum(state[k].dtype == torch.float8_e4m3fn for k in state) > 0
+    assert sum(k.endswith(".scale") and "experts" in k for k in state) > 0
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
 
 
 def greedy(runner, prompts, steps=4):

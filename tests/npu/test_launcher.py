@@ -39,6 +39,15 @@ def test_npu_scale_startup_equals_mode_plan():
     offline = make_plan(load_runtime_config(["+model=dsv4", "max_model_len=8192", "mode=plan", "device=ascend_a3",
                                              f"plan.peak_non_kv_bytes={peak}"]))
     assert report.plan == offline
+    # The same plan from DESIGN.md section 4's figures, by hand (not through the planner both sides above use):
+    # usable = 65,787,658,240 x 0.9 = 59,208,892,416 B; budget = usable - peak_non_kv 42,949,796,417
+    # - non-torch margin 1 GiB (conf/device/npu.yaml) = 15,185,354,175 B; scratch 63,591,424 B (decode_batch 8);
+    # one slot at max_model_len 8,192 is 160,940,032 B: (15,185,354,175 - 63,591,424) // 160,940,032 = 93.
+    assert (report.plan.budget_bytes, report.plan.scratch_bytes, report.plan.bytes_per_slot) == (
+        15_185_354_175, 63_591_424, 160_940_032)
+    assert report.capacity_slots == 93
+    assert report.num_blocks == {"ori": 93 * 4, "cmp_c128": 93 * 64, "cmp_c4": 93 * 64, "idx": 93 * 64,
+                                 "hca_state": 93 * 48, "csa_state": 93 * 65, "csa_inner_state": 93 * 65}
     assert (report.device_kind, report.device_count, report.allocation_retries) == ("npu", 16, 0)
     assert report.capacity_slots > 0
     for spec in rc.model.cache_groups:
@@ -137,6 +146,14 @@ def test_tiny_qwen3_on_cpu_reports_exactly_the_planner_result(tiny_qwen3_start):
                              utilization=rc.npu_memory_utilization, decode_batch=rc.decode_batch,
                              max_model_len=rc.max_model_len, block_size=rc.block_size)
     assert report.plan == expected
+    # By hand: a kv page is 2 layers x 16 tokens x (K and V of 2 kv heads x 16 dims) x 4 B = 8,192 B; a slot is
+    # 512 / 16 = 32 pages, scratch 8 pages; the CPU keeps no non-torch margin.
+    lay = rc.model.layout
+    page = lay.num_layers * lay.block_size * 2 * lay.num_kv_heads * lay.head_dim * 4
+    assert (page, rc.max_model_len, rc.decode_batch, lay.dtype) == (8192, 512, 8, "float32")
+    budget = int(64 * MiB * 0.9) - peak_non_kv
+    assert report.plan.budget_bytes == budget
+    assert report.capacity_slots == (budget - 8 * page) // (32 * page) > 0
     assert runner.pools["kv"].shape[1] == report.num_blocks["kv"] + rc.decode_batch
     assert report.num_blocks["kv"] == report.capacity_slots * rc.model.group("kv").max_blocks_per_seq
     assert report.weights == "random (seed 0)" and report.allocation_retries == 0

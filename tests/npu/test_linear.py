@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from npu.linear import Projection
+from npu.linear import ONEDNN_PACK_ROWS, Projection
 
 ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
 
@@ -24,8 +25,55 @@ def test_projection_equals_x_times_w_transposed(dtype, shape):
         torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * float(exact.abs().amax()) if rows else 0.0)
 
 
-def test_bfloat16_weight_is_held_once_as_onednn_packed_copy():
-    proj = Projection.of(torch.randn(256, 128, dtype=torch.bfloat16))
-    if proj.onednn_packed is None:
-        pytest.skip("no oneDNN bf16 support on this CPU")
-    assert proj.weight is None and proj.tensors() == [proj.onednn_packed]
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_bfloat16_weight_is_held_once_on_the_path_this_cpu_takes():
+    """With oneDNN bf16 (avx512bw/vl/dq or avx_ne_convert): only the packed copy. Without it (an AVX2 host,
+    where torch refuses the reorder): only the plain weight, and the projection is F.linear bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 128, generator=g).to(torch.bfloat16)
+    proj = Projection.of(w)
+    if ONEDNN_BF16:
+        assert proj.weight is None and proj.tensors() == [proj.onednn_packed]
+        return
+    assert proj.onednn_packed is None and proj.mkl_packed is None and proj.tensors() == [w]
+    for rows in ROWS:
+        x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+        assert torch.equal(proj(x), F.linear(x, w))
+
+
+class EmulatedOneDnn:
+    """oneDNN's two bf16 ops as Projection calls them, emulated with plain matmuls so the packed path's
+    bookkeeping runs on any CPU: the "packed" weight is W^T (another layout, as oneDNN's blocked one is), so
+    a path that read it as the plain weight would compute the wrong shape."""
+
+    def __init__(self):
+        self.reorders, self.calls = [], []
+
+    def reorder(self, weight: torch.Tensor, batch_size: int) -> torch.Tensor:
+        self.reorders.append((weight.shape, batch_size))
+        return weight.t().contiguous()
+
+    def linear(self, x, packed, bias, attr, scalars, algorithm):
+        self.calls.append((bias, attr, scalars, algorithm))
+        return x @ packed
+
+
+def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch):
+    """The packed path where oneDNN bf16 cannot run (this AVX2 host): packed once at ONEDNN_PACK_ROWS, the
+    plain weight dropped, every call routed to the packed copy with no bias and no fused activation."""
+    onednn = EmulatedOneDnn()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", onednn.reorder)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", onednn.linear)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    proj = Projection.of(w)
+    assert onednn.reorders == [((96, 64), ONEDNN_PACK_ROWS)]
+    assert proj.weight is None and proj.mkl_packed is None and proj.tensors() == [proj.onednn_packed]
+    for rows in ROWS:
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(proj(x), F.linear(x, w))
+    assert onednn.calls == [(None, "none", [], "")] * len(ROWS)
+    assert Projection.of(w.float()).onednn_packed is None          # float32 never takes the bf16 path

@@ -22,14 +22,14 @@ from tests.npu.rank_launch import OVERRIDES, PEAK_BYTES
 MiB = 1 << 20
 
 
-def launch_two(total0: int, total1: int) -> tuple[tuple[int, str], tuple[int, str]]:
+def launch_two(total0: int, total1: int, *rank1_args: str) -> tuple[tuple[int, str], tuple[int, str]]:
     """(exit status, last output line) of rank 0 and rank 1."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     cmd = [sys.executable, "-m", "tests.npu.rank_launch"]
     first = subprocess.Popen(cmd + ["0", str(total0)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         port = first.stdout.readline().split()[1]
-        second = subprocess.run(cmd + ["1", str(total1), "--port", port], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        second = subprocess.run(cmd + ["1", str(total1), "--port", port, *rank1_args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 text=True, timeout=240)
         out0, _ = first.communicate(timeout=240)
     finally:
@@ -77,3 +77,28 @@ def test_a_rank_whose_device_cannot_hold_one_slot_fails_the_launch_naming_it_and
     for out in (out0, out1):
         assert out.startswith("error: device cpu:0 (rank 1): total"), out
         assert "cannot hold scratch" in out and "shortfall" in out and "Fix:" in out
+
+
+def test_a_rank_whose_allocation_fails_and_shrinks_sets_every_rank_s_capacity():
+    """Both devices plan the same N slots; rank 1's allocation fails and its device then has room for N // 2.
+    Every rank must re-allocate the fewest slots any rank holds (min, not max: a rank cannot hold more than
+    its device gave it, and the scheduler plans one capacity for all of them)."""
+    rc = load_runtime_config(OVERRIDES)
+    page = rc.model.cache_groups[0].page_size_bytes // 2                 # TP 2: each rank holds half the kv heads
+    scratch = rc.decode_batch * page
+    slot = page * rc.model.cache_groups[0].max_blocks_per_seq
+    peak = PEAK_BYTES - scratch
+    total = 256 * MiB
+    planned = plan_for_config(rc, [DeviceMemory(f"cpu:0 (rank {r})", total, total, peak) for r in (0, 1)])
+    fits = planned.capacity_slots // 2
+    assert fits >= 1 and (planned.bytes_per_slot, planned.scratch_bytes) == (slot, scratch)
+    # After the failure the device reports room for exactly `fits` slots (and half of one more): free memory
+    # less the margin, the activations still to come and the scratch pages.
+    free_after = rc.device.non_torch_margin_bytes + peak + scratch + fits * slot + slot // 2
+    (code0, out0), (code1, out1) = launch_two(total, total, "--pool-limit", str(scratch + fits * slot),
+                                              "--free-after", str(free_after))
+    assert code0 == code1 == 0, (out0, out1)
+    zero, one = json.loads(out0), json.loads(out1)
+    assert zero["capacity_slots"] == one["capacity_slots"] == fits
+    assert zero["pool_pages"] == one["pool_pages"] == {g: n + rc.decode_batch for g, n in one["num_blocks"].items()}
+    assert zero["retries"] == 1                      # rank 0 allocated N, then re-allocated rank 1's capacity

@@ -124,6 +124,19 @@ def wait_for(cond, timeout=30.0, what="condition"):
         time.sleep(0.01)
 
 
+def signal_startup_waits(srv: Running) -> threading.Event:
+    """An Event set when a Startup call starts waiting on the server for the engine start: the test then knows
+    the call is held there (a state), instead of sleeping and hoping it arrived."""
+    waiting, ready = threading.Event(), srv.server.ready
+    wait_for_start = ready.wait
+
+    async def signalling_wait():
+        waiting.set()
+        return await wait_for_start()
+    ready.wait = signalling_wait
+    return waiting
+
+
 def rpc_error(fn) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         fn()
@@ -142,10 +155,11 @@ def test_health_and_startup_follow_the_engine_lifecycle(running):
     assert rpc_error(lambda: c.startup(timeout=0.3)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     waited = {}
+    held = signal_startup_waits(srv)
     waiter = threading.Thread(target=lambda: waited.update(resp=c.startup(timeout=20)))
     waiter.start()
-    time.sleep(0.2)
-    assert waiter.is_alive(), "Startup must wait while the engine starts"
+    assert held.wait(20), "the Startup call never reached the server"
+    assert waiter.is_alive() and not waited, "Startup must wait while the engine starts"
     start_gate.set()
     waiter.join(20)
     assert waited["resp"].model_name == srv.engine.report.model_name
@@ -175,9 +189,10 @@ def test_engine_start_failure_fails_the_server_and_waiting_startup_calls(running
             c.startup(timeout=20)
         except grpc.RpcError as exc:
             waited["err"] = exc
+    held = signal_startup_waits(srv)
     waiter = threading.Thread(target=call_startup)
     waiter.start()
-    time.sleep(0.2)
+    assert held.wait(20), "the Startup call never reached the server"
     gate.set()
     waiter.join(20)
     srv.thread.join(20)
@@ -363,12 +378,20 @@ def test_client_cancel_aborts_the_request_and_frees_its_blocks(running):
 
 
 def test_client_deadline_aborts_the_request(running):
-    srv = running(step_s=0.05)                       # 400 tokens take 20 s: the deadline comes first
+    srv = running(step_s=3600)                       # the engine never steps: only the deadline ends the call
     c = srv.client()
-    stream = c.generate("a", max_tokens=400, request_id="slow", timeout=3)
-    next(stream)                                     # the request is in the engine
-    err = rpc_error(lambda: list(stream))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    ended = {}
+
+    def call():
+        try:
+            list(c.generate("a", max_tokens=400, request_id="slow", timeout=3))
+        except grpc.RpcError as exc:
+            ended["code"] = exc.code()
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: "slow" in srv.engine.requests, what="the request in the engine")
+    caller.join(30)
+    assert ended == {"code": grpc.StatusCode.DEADLINE_EXCEEDED}
     wait_for(lambda: "slow" in srv.engine.aborted, what="abort")
     assert srv.engine.kv_free_blocks() == srv.engine.kv_total_blocks()
 

@@ -54,19 +54,23 @@ class Architecture:
     # Serving a checkpoint directory (+model=hf): its config.json "architectures" names, the layout it gives,
     # and the cache groups a finished layout needs (model-YAML shaped dicts).
     hf_architectures: tuple[str, ...] = ()
+    hf_model_types: tuple[str, ...] = ()
+    hf_value_kinds: dict[str, Any] = field(default_factory=dict)   # config.json keys read besides config_keys
     layout_from_hf_config: Callable[[dict[str, Any]], HfLayout] | None = None
     cache_groups_for: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
-                 qwen3.rank_weight_bytes, qwen3.rank_cache_groups, qwen3.parallel_issues, hf_architectures=qwen3.HF_ARCHITECTURES, layout_from_hf_config=qwen3.layout_from_hf_config,
+                 qwen3.rank_weight_bytes, qwen3.rank_cache_groups, qwen3.parallel_issues, hf_architectures=qwen3.HF_ARCHITECTURES, hf_model_types=qwen3.HF_MODEL_TYPES,
+                 hf_value_kinds=qwen3.HF_VALUE_KINDS, layout_from_hf_config=qwen3.layout_from_hf_config,
                  cache_groups_for=qwen3.cache_groups_for),
     Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
                  frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4_weights.rank_weight_bytes,
                  config_view=deepseek_v4.config_view, config_fixed=deepseek_v4.CONFIG_FIXED,
                  parameters=deepseek_v4_weights.parameter_counts,
-                 hf_architectures=deepseek_v4.HF_ARCHITECTURES,
+                 hf_architectures=deepseek_v4.HF_ARCHITECTURES, hf_model_types=deepseek_v4.HF_MODEL_TYPES,
+                 hf_value_kinds=deepseek_v4.HF_VALUE_KINDS,
                  layout_from_hf_config=deepseek_v4.layout_from_hf_config,
                  cache_groups_for=deepseek_v4.cache_groups_for),
 )}

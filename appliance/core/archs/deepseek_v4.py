@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.core.archs.hf_config import HfConfigError, HfLayout, dtype_of, read
+from appliance.core.archs.hf_config import HfConfigError, HfLayout, check_layout_kinds, dtype_of, read
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+HF_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")
 
@@ -53,18 +54,25 @@ HF_LAYER_TYPES = {"sliding_attention": None, "compressed_sparse_attention": "com
                   "heavily_compressed_attention": "heavily_compressed_attention"}
 HF_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
-# What transformers' DeepseekV4Config assumes for a config.json key it leaves out (config_view's keys).
+# The optional keys: what transformers' DeepseekV4Config assumes when config.json leaves them out (config_view's
+# keys); the HF_REQUIRED ones below have none.
 HF_DEFAULTS = {
-    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 64,
-    "index_topk": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
+    "num_nextn_predict_layers": 1, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "sliding_window": 128, "index_topk": 512,
     "compress_rope_theta": 160000.0, "rope_scaling.factor": None, "rope_scaling.original_max_position_embeddings": None,
-    "rope_scaling.beta_fast": 32.0, "rope_scaling.beta_slow": 1.0, "n_routed_experts": 256, "num_experts_per_tok": 6,
-    "n_shared_experts": 1, "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
-    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "rope_scaling.beta_fast": 32.0, "rope_scaling.beta_slow": 1.0,
+    "n_shared_experts": 1, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
     "quantization_config.weight_block_size": None, "expert_dtype": None,
 }
+# config.json keys with no default: they set tensor shapes or the routing (transformers writes every one).
+HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size", "q_lora_rank",
+               "qk_rope_head_dim", "o_groups", "o_lora_rank", "index_head_dim", "index_n_heads",
+               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult")
+# The kinds of the config.json keys read besides CONFIG_KEYS' top-level ones (those have model.layout's kinds).
+HF_VALUE_KINDS = {"max_position_embeddings": int, "partial_rotary_factor": float, "layer_types": list[str],
+                  "compress_rates": dict, "mlp_layer_types": list[str], "rope_scaling": dict,
+                  "rope_parameters": dict, "quantization_config": dict, "dtype": str, "torch_dtype": str}
 SERVING_DEFAULTS = {"block_size": 128, "tokens_in_flight": 256}   # two pipelined 128-token prefill tiles
 MAX_MODEL_LEN_CAP = 16384                                          # full-history groups are sized up to this
 STATE_ROWS_PER_PAGE = 8                                            # compressor-state pages hold min(8, ratio) rows
@@ -94,16 +102,19 @@ def _rope_view(cfg: dict[str, Any]) -> dict[str, Any]:
 def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json as the flat view CONFIG_KEYS and CONFIG_FIXED read, whichever spelling it uses."""
     view = {k: v for k, v in cfg.items() if not isinstance(v, dict) and k not in ("rope_scaling", "rope_parameters")}
-    n = read(cfg, "num_hidden_layers", HF_DEFAULTS["num_hidden_layers"])
     try:
-        view["compress_ratios"] = hf_compress_ratios(cfg, n, 0)[1]
+        view["compress_ratios"] = hf_compress_ratios(cfg, cfg.get("num_hidden_layers"), 0)[1]
     except HfConfigError:
         pass                               # neither layer_types nor compress_ratios: nothing to check
     if "num_hash_layers" not in cfg and isinstance(cfg.get("mlp_layer_types"), list):
         types = cfg["mlp_layer_types"]
         view["num_hash_layers"] = next((i for i, t in enumerate(types) if t != "hash_moe"), len(types))
     if "qk_rope_head_dim" not in cfg and cfg.get("partial_rotary_factor") and cfg.get("head_dim"):
-        view["qk_rope_head_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+        rope_dim = cfg["head_dim"] * cfg["partial_rotary_factor"]
+        if not float(rope_dim).is_integer():
+            raise HfConfigError("partial_rotary_factor", f"{cfg['partial_rotary_factor']!r} x head_dim "
+                                                         f"{cfg['head_dim']} is not a whole number of channels")
+        view["qk_rope_head_dim"] = int(rope_dim)
     view.update(_rope_view(cfg))
     quant = cfg.get("quantization_config")
     if isinstance(quant, dict):
@@ -145,8 +156,10 @@ def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
     """model.layout from a DeepSeek V4 config.json (released or transformers' spelling, read through config_view;
     a key it leaves out takes transformers' DeepseekV4Config default)."""
     view = config_view(cfg)
-    from_file = {key: (file_key, view.get(file_key, HF_DEFAULTS.get(file_key)))
+    from_file = {key: (file_key, read(view, file_key, ...) if file_key in HF_REQUIRED
+                       else view.get(file_key, HF_DEFAULTS.get(file_key)))
                  for file_key, key in CONFIG_KEYS.items() if key != "main_layer_ratios"}
+    check_layout_kinds(HfLayout(from_file))
     num_layers, num_mtp = from_file["num_layers"][1], from_file["num_mtp_layers"][1]
     from_file["compress_ratios"] = hf_compress_ratios(cfg, num_layers, num_mtp)
     from_file["dtype"] = dtype_of(cfg)

@@ -14,6 +14,7 @@ from appliance.core.parallel import RankPlace, TensorSlice
 
 KV = "kv"
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)
+HF_MODEL_TYPES = ("qwen3",)
 
 # config.json keys of a Hugging Face Qwen3 checkpoint -> the layout keys they must agree with.
 CONFIG_KEYS = {
@@ -24,10 +25,14 @@ CONFIG_KEYS = {
 }
 
 
-# What transformers' Qwen3Config assumes for a key config.json leaves out.
-HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-               "num_attention_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-               "max_position_embeddings": 32768}
+# The optional keys: what transformers' Qwen3Config assumes when config.json leaves them out. Every other
+# CONFIG_KEYS key sets a shape and is required (transformers always writes it; a guessed 4096 would only fail
+# later, at the first tensor). num_key_value_heads defaults to num_attention_heads, rope_theta to 10000.
+HF_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 32768}
+
+# The kinds of the config.json keys read besides CONFIG_KEYS (those have model.layout's kinds).
+HF_VALUE_KINDS = {"max_position_embeddings": int, "use_sliding_window": bool, "rope_scaling": dict,
+                  "rope_parameters": dict, "dtype": str, "torch_dtype": str}
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -35,7 +40,7 @@ def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
     """model.layout from a Hugging Face Qwen3 config.json (plain RoPE, no sliding window)."""
     if cfg.get("use_sliding_window"):
         raise HfConfigError("use_sliding_window", "true is not supported (every layer attends to the full history)")
-    from_file = {key: (file_key, read(cfg, file_key, HF_DEFAULTS.get(file_key)))
+    from_file = {key: (file_key, read(cfg, file_key, HF_DEFAULTS.get(file_key, ...)))
                  for file_key, key in CONFIG_KEYS.items() if file_key not in ("rope_theta", "num_key_value_heads")}
     from_file["num_kv_heads"] = ("num_key_value_heads", read(cfg, "num_key_value_heads", from_file["num_heads"][1]))
     from_file["rope_theta"] = plain_rope_theta(cfg, 10000.0)
