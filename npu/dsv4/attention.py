@@ -151,7 +151,8 @@ class Attention:
         torch.topk over the same row of scores, a sequence's compressed rows 0 .. T - 1 with the invisible ones
         at -inf, T = max(prompt length, step end) // ratio (what a one-step prefill of the prompt, then one
         decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
-        length and values only (not on batching), so chunking, batching and preemption never change it."""
+        length and values only (not on batching), so chunking, batching and preemption never change it. Only
+        sequences with a tie at the k-th score need that call; the others' picks come from one call per group."""
         di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
         visible = group.visible[ratio]
         lengths = (group.ranked_end // ratio).tolist()                                      # T per sequence
@@ -164,13 +165,14 @@ class Attention:
         del dots
         width = max(max(lengths), score.shape[-1])
         score = F.pad(score.masked_fill(~visible, float("-inf")), (0, width - score.shape[-1]), value=float("-inf"))
-        order = torch.zeros(*score.shape[:2], k, dtype=torch.long, device=score.device)      # [S, Q, k]
-        for length in set(lengths):
-            seqs = [i for i, n in enumerate(lengths) if n == length]
-            if length >= k:
-                order[seqs] = score[seqs, :, :length].topk(k, dim=-1).indices
-            else:                                    # every row is picked (transformers: topk(length) of length)
-                order[seqs] = F.pad(torch.arange(length, device=score.device), (0, k - length), value=width - 1)
+        top = score.topk(min(k + 1, width), dim=-1)              # one call for the group: the k best of each query
+        order = top.indices[..., :k]                              # are the same set under any tie rule unless the
+        if k < width:                                             # k-th and the (k + 1)-th score are equal
+            kth = top.values[..., k - 1]
+            tied = ((kth == top.values[..., k]) & (kth > float("-inf"))).any(dim=1).tolist()     # per sequence
+            for length in {n for n, t in zip(lengths, tied) if t}:     # then: transformers' call, on its row
+                seqs = [i for i, (n, t) in enumerate(zip(lengths, tied)) if t and n == length]
+                order[seqs] = score[seqs, :, :length].topk(k, dim=-1).indices        # (length > k: it is tied)
         ok = score.gather(-1, order) > float("-inf")
         where = group.keys[self.kinds[ratio].outputs[0]]                                   # [S, Kc]
         inside = order.clamp(max=where.page.shape[1] - 1)                  # rows past Kc are -inf: not ok
