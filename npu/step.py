@@ -17,6 +17,9 @@ class SeqStep:
     # entries indexed by slot = logical_page % max_blocks_per_seq; -1 where no page is held.
     block_tables: dict[str, list[int]]
     sample: bool = True                # logits of the last token are needed (False for a non-final prefill chunk)
+    # The request's prompt length (0: not known, taken as the end of this step). DeepSeek V4's indexer ranks a
+    # prompt token's candidates over the rows the whole prompt makes, as a one-step prefill does (top-k ties).
+    prompt_len: int = 0
 
 
 @dataclass

@@ -294,7 +294,8 @@ class Engine:
             start = s.seq.num_computed_tokens
             batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(SeqStep(
                 request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
-                start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples))
+                start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
+                prompt_len=s.seq.num_prompt_tokens))
         if kv.num_partitions > 1:
             logits = self._runner.execute_partitions(batches)
         else:

@@ -11,7 +11,7 @@
 - HCA attends to every visible compressed row; CSA to the index_topk visible rows with the highest
   lightning-indexer score sum_h w_h relu(q_h . k_i) / sqrt(index_head_dim), w = x weights_proj /
   sqrt(index_num_heads), q from the q-LoRA latent (indexer.wq_b, RoPE), keys compressed like CSA's into
-  `idx` (ties: the lower row first).
+  `idx` (ties broken as torch.topk breaks them in transformers, see Attention._index).
 - One softmax over window rows, compressed rows and a learned per-head sink logit (scale 1/sqrt(head_dim));
   the output's RoPE channels are rotated back at the query position, then the grouped output projection:
   heads in o_groups groups, each projected by its block of wo_a, then wo_b.
@@ -145,22 +145,39 @@ class Attention:
         return q, F.linear(x, w(p + "weights_proj.weight")).float() * heads ** -0.5
 
     def _index(self, layer: int, group: QueryGroup, q: torch.Tensor, head_w: torch.Tensor) -> Rows | None:
-        """Rows of the top index_topk visible CSA rows of each query of the group, [S, Q, k] (ties: lower row
-        first)."""
-        di = self.lay.index_head_dim
-        visible = group.visible[self.csa]
-        k = min(self.lay.index_topk, visible.shape[-1])
+        """Rows of the top index_topk visible CSA rows of each query of the group, [S, Q, k].
+
+        Ties (rows scoring exactly alike: every head's relu is 0) are broken as transformers breaks them: by
+        torch.topk over the same row of scores, a sequence's compressed rows 0 .. T - 1 with the invisible ones
+        at -inf, T = max(prompt length, step end) // ratio (what a one-step prefill of the prompt, then one
+        decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
+        length and values only (not on batching), so chunking, batching and preemption never change it. Only
+        sequences with a tie at the k-th score need that call; the others' picks come from one call per group."""
+        di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
+        visible = group.visible[ratio]
+        lengths = (group.ranked_end // ratio).tolist()                                      # T per sequence
+        k = min(topk, max(lengths, default=0))
         if k == 0:
             return None
         keys = self.io.read("idx", layer, group.keys["idx"], di, torch.float32)               # [S, Kc, di]
         dots = torch.einsum("sqhd,skd->sqhk", group.view(q).float(), keys).relu_().mul_(di ** -0.5)   # in place:
-        score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2) + 0.0          # one [S, Q, heads, Kc] tensor
-        del dots                                                                    # (+ 0.0: -0.0 -> 0.0, ties)
-        score = score.masked_fill(~visible, float("-inf"))
-        order = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]           # [S, Q, k]
-        where = group.keys[self.kinds[self.csa].outputs[0]]                                 # [S, Kc]
-        pick = lambda t: t.gather(1, order.flatten(1)).view_as(order)  # noqa: E731
-        return Rows(pick(where.page), pick(where.row), score.gather(-1, order) > float("-inf"))
+        score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2)                # one [S, Q, heads, Kc] tensor
+        del dots
+        width = max(max(lengths), score.shape[-1])
+        score = F.pad(score.masked_fill(~visible, float("-inf")), (0, width - score.shape[-1]), value=float("-inf"))
+        top = score.topk(min(k + 1, width), dim=-1)              # one call for the group: the k best of each query
+        order = top.indices[..., :k]                              # are the same set under any tie rule unless the
+        if k < width:                                             # k-th and the (k + 1)-th score are equal
+            kth = top.values[..., k - 1]
+            tied = ((kth == top.values[..., k]) & (kth > float("-inf"))).any(dim=1).tolist()     # per sequence
+            for length in {n for n, t in zip(lengths, tied) if t}:     # then: transformers' call, on its row
+                seqs = [i for i, (n, t) in enumerate(zip(lengths, tied)) if t and n == length]
+                order[seqs] = score[seqs, :, :length].topk(k, dim=-1).indices        # (length > k: it is tied)
+        ok = score.gather(-1, order) > float("-inf")
+        where = group.keys[self.kinds[ratio].outputs[0]]                                   # [S, Kc]
+        inside = order.clamp(max=where.page.shape[1] - 1)                  # rows past Kc are -inf: not ok
+        pick = lambda t: t.gather(1, inside.flatten(1)).view_as(order)  # noqa: E731
+        return Rows(pick(where.page), pick(where.row), ok)
 
     def _attend(self, layer: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [S, Q, H, d] over parts of keys = values with masks [S, Q, K]: keys [S, K, d] are shared by a

@@ -44,6 +44,8 @@ class QueryGroup:
     window_mask: torch.Tensor                                          # [S, Q, Kw] query sees window key
     visible: dict[int, torch.Tensor] = field(default_factory=dict)     # ratio -> [S, Q, Kc]
     keys: dict[str, Rows] = field(default_factory=dict)                # group -> key rows: ori [S, Kw], others [S, Kc]
+    # [S] tokens whose compressed rows the indexer ranks over: max(prompt length, step end), see Attention._index
+    ranked_end: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """[N, ...] flat tokens -> this group's [S, Q, ...] queries (a view)."""
@@ -52,7 +54,7 @@ class QueryGroup:
     def to(self, device: torch.device) -> "QueryGroup":
         return QueryGroup(self.first, self.num_seqs, self.q_len, self.window_mask.to(device),
                           {r: v.to(device) for r, v in self.visible.items()},
-                          {k: v.to(device) for k, v in self.keys.items()})
+                          {k: v.to(device) for k, v in self.keys.items()}, self.ranked_end)   # stays on the host
 
 
 @dataclass
@@ -136,6 +138,7 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
     lens = torch.tensor([len(s.token_ids) for s in seqs])
     starts = torch.tensor([s.start_pos for s in seqs])
     ends = starts + lens
+    ranked_end = torch.maximum(ends, torch.tensor([s.prompt_len for s in seqs]))
     last = torch.cumsum(lens, 0) - 1                                      # flat index of each sequence's last token
     tok_seq = torch.repeat_interleave(torch.arange(S), lens)
     pos = starts[tok_seq] + torch.arange(len(tok_seq)) - (last + 1 - lens)[tok_seq]
@@ -176,7 +179,7 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
         kvalid = (kpos >= 0) & (kpos < g_ends[:, None])
         dist = qpos[:, :, None] - kpos[:, None, :]
         group = QueryGroup(int(last[members[0]]) + 1 - q_len, len(members), q_len,
-                           kvalid[:, None, :] & (dist >= 0) & (dist < W))
+                           kvalid[:, None, :] & (dist >= 0) & (dist < W), ranked_end=ranked_end[members])
         group.keys["ori"] = at("ori", members[:, None].expand_as(kpos), kpos, kvalid)
         for kind in kinds:
             # compressed rows 0 .. end // r - 1, visible once their window has ended
@@ -203,21 +206,35 @@ class PoolIO:
         """The first `width` values of each row, as dtype; zeros where rows.ok is False, so stale or NaN
         contents of pages never leak into the math."""
         spec, pool = self.model.group(group), self.pools[group]
-        raw = pool[self.layer_index[group][layer], rows.page, rows.row]
-        if pool.dtype.is_floating_point:
-            values = raw[..., :width].to(dtype)
-        else:   # int rows with an fp32 scale in the extra bytes
-            scale = raw[..., spec.row_width:].contiguous().view(torch.float32)
-            values = (raw[..., :width].float() * scale).to(dtype)
+        if is_scaled(spec, pool):                   # 1-byte values, then their fp32 scale
+            raw = pool.view(torch.int8)[self.layer_index[group][layer], rows.page, rows.row]
+            scale = raw[..., spec.row_width:spec.row_width + 4].contiguous().view(torch.float32)
+            values = (raw[..., :width].view(pool.dtype).float() * scale).to(dtype)
+        else:
+            values = pool[self.layer_index[group][layer], rows.page, rows.row][..., :width].to(dtype)
         return torch.where(rows.ok[..., None], values, torch.zeros((), dtype=dtype, device=values.device))
 
     def write(self, group: str, layer: int, rows: Rows, values: torch.Tensor) -> None:
-        pool = self.pools[group]
-        if pool.dtype.is_floating_point:
+        spec, pool = self.model.group(group), self.pools[group]
+        if is_scaled(spec, pool):
+            data, pool = quantize_rows(values, pool.dtype), pool.view(torch.int8)
+        else:
             data = values.to(pool.dtype)
-        else:   # symmetric per-row quantization, fp32 scale stored inline after the row
-            qmax = torch.iinfo(pool.dtype).max
-            scale = values.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
-            q = (values.float() / scale).round().clamp(-qmax, qmax).to(pool.dtype)
-            data = torch.cat([q, scale.view(pool.dtype)], dim=-1)
         pool[self.layer_index[group][layer], rows.page, rows.row, :data.shape[-1]] = data
+
+
+def is_scaled(spec: CacheGroupSpec, pool: torch.Tensor) -> bool:
+    """Rows of 1-byte values (int8, float8) with an fp32 scale inline in 4 extra bytes: a quantized cache."""
+    return pool.element_size() == 1 and spec.row_extra_bytes >= 4
+
+
+def quantize_rows(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row as 1-byte values plus its fp32 scale (the bytes as int8): one scale per row of amax / max,
+    symmetric. int8: rounded to nearest; float8 (e4m3: DeepSeek V3.2's indexer cache, as vLLM and SGLang
+    store it, 128 values and one fp32 scale per row): cast with round-to-nearest-even."""
+    f = values.float()
+    top = float(torch.iinfo(dtype).max) if not dtype.is_floating_point else float(torch.finfo(dtype).max)
+    scale = f.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+    q = (f / scale).clamp(-top, top)
+    q = q.round().to(dtype) if not dtype.is_floating_point else q.to(dtype).view(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)

@@ -112,7 +112,11 @@ def test_deepseek_v4_flash_config_gives_the_dsv4_yaml_groups(tmp_path):
     rc = load_runtime_config(["+model=hf", f"model.weights={tmp_path}", "device=ascend_a3", "mode=validate",
                               "max_model_len=8192"])
     assert rc.model.arch == "deepseek_v4"
-    assert rc.model.cache_groups == flash.model.cache_groups
+    # idx keeps transformers' float keys (bf16 x 128: 2 x dsv4.yaml's fp8 + scale); every other group is the same
+    float_idx = [dataclasses.replace(g, row_dtype="bfloat16", row_extra_bytes=0) if g.name == "idx" else g
+                 for g in flash.model.cache_groups]
+    assert list(rc.model.cache_groups) == float_idx
+    assert (rc.model.group("idx").page_size_bytes, flash.model.group("idx").page_size_bytes) == (172_032, 88_704)
     assert differing_fields(rc.model.layout, flash.model.layout) == set()
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
+from appliance.core.errors import ConfigError
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.dsv4.paging import PoolIO, Rows, build_plan
 from npu.step import SeqStep, StepBatch
@@ -91,3 +92,40 @@ def test_int8_rows_keep_small_values_to_half_a_step():
     step = values.abs().amax(-1, keepdim=True) / 127
     assert ((back - values).abs() <= 0.5 * step + 1e-7).all()
     assert pool[:, 1, 3].any() and pool[:, 0, 1].any() and not pool[:, 1, :3].any()
+
+
+def test_float8_rows_hold_e4m3_values_and_their_row_scale():
+    """float8_e4m3fn rows (dsv4.yaml's idx): 128 B + 4 B as vLLM stores DeepSeek's indexer keys. Each row's
+    largest magnitude maps to e4m3's largest finite value, 448, through the fp32 scale stored after the row; every
+    value comes back within e4m3's half step (3 mantissa bits: 2^-4 relative, 2^-10 of 448 x scale for
+    subnormals)."""
+    model = load_runtime_config(["+model=dsv4_tiny"]).model
+    spec = dataclasses.replace(model.group("idx"), row_dtype="float8_e4m3fn", row_extra_bytes=4)
+    model = dataclasses.replace(model, cache_groups=tuple(spec if s.name == "idx" else s for s in model.cache_groups))
+    width = spec.row_width
+    pool = torch.zeros(spec.num_layers, 2, spec.rows_per_block, width + 4, dtype=torch.float8_e4m3fn)
+    io = PoolIO(model, {"idx": pool})
+    values = torch.randn(2, width, generator=torch.Generator().manual_seed(0)) * torch.tensor([[0.03], [7.0]])
+    rows = Rows(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([True, True]))
+    layer = spec.layer_ids[1]
+    io.write("idx", layer, rows, values)
+    stored = pool[spec.layer_ids.index(layer), rows.page, rows.row]
+    scale = stored[:, width:].contiguous().view(torch.int8).view(torch.float32)
+    amax = values.abs().amax(-1, keepdim=True)
+    assert torch.allclose(scale, amax / 448, rtol=1e-6)
+    assert torch.allclose(stored[:, :width].float().abs().amax(-1, keepdim=True), torch.full_like(amax, 448.0))
+    back = io.read("idx", layer, rows, width, torch.float32)
+    assert ((back - values).abs() <= torch.maximum(values.abs() * 2 ** -4, scale * 2 ** -10) + 1e-7).all()
+    assert not pool[:, 1, :2].float().any() and not pool[:, 0, 1:].float().any()       # other rows untouched
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"dtype": "float8_e4m3fn", "extra_bytes": 0}, "float8_e4m3fn rows of group 'idx' need 4 extra bytes"),
+    ({"dtype": "uint8", "extra_bytes": 4}, "1-byte rows are int8 or float8_e4m3fn"),
+    ({"dtype": "int32", "extra_bytes": 0}, "rows are floating, or int8 / float8_e4m3fn"),
+])
+def test_idx_row_formats_the_runner_cannot_store_are_config_errors(row, message):
+    overrides = [f"model.cache_groups.3.row.{k}={v}" for k, v in row.items()]
+    with pytest.raises(ConfigError, match="model.cache_groups\\[3\\]") as info:
+        load_runtime_config(["+model=dsv4_tiny", *overrides])
+    assert message in str(info.value)

@@ -15,6 +15,7 @@ from typing import Any
 from appliance.core.archs.hf_config import HfConfigError, HfLayout, check_layout_kinds, dtype_of, read
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
+from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
@@ -168,7 +169,9 @@ def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
 
 
 def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
-    """The seven groups of DESIGN.md section 4 from a finished layout (conf/model/dsv4.yaml's for the Flash layout)."""
+    """The seven groups of DESIGN.md section 4 from a finished layout: conf/model/dsv4.yaml's for the Flash layout,
+    except `idx`, whose rows keep the indexer keys in the layout dtype as transformers does (dsv4.yaml stores them
+    as fp8 + an fp32 scale, as served releases do): a checkpoint served by directory gives transformers' tokens."""
     ratios = [r for r in layout["compress_ratios"][: layout["num_layers"]] if r]
     if len(set(ratios)) != 2:
         raise HfConfigError("layer_types", f"needs exactly two compress ratios (CSA, HCA), has {sorted(set(ratios))}")
@@ -189,7 +192,7 @@ def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
          "history": "ring", "ring_span": "sliding_window"},
         compressed(f"cmp_c{hca}", hca, {"dtype": dtype, "width": d}),
         compressed(f"cmp_c{csa}", csa, {"dtype": dtype, "width": d}),
-        compressed("idx", csa, {"dtype": "int8", "width": di, "extra_bytes": 4}),
+        compressed("idx", csa, {"dtype": dtype, "width": di}),      # float keys, as transformers keeps them
         state("hca_state", hca, 2 * d),
         state("csa_state", csa, 4 * d),
         state("csa_inner_state", csa, 4 * di),
@@ -298,6 +301,22 @@ def _layout_issues(lay: Layout) -> list[ConfigIssue]:
     return issues
 
 
+def _row_format_issues(spec: CacheGroupSpec, path: str, name: str) -> list[ConfigIssue]:
+    """Rows the runner stores: floating values, or int8 / float8 values with an fp32 scale in 4 extra bytes."""
+    dtype = spec.row_dtype
+    one_byte = DTYPE_BYTES[dtype] == 1
+    if one_byte and not (dtype == "int8" or dtype.startswith("float8_e")):
+        return [ConfigIssue(f"{path}.row.dtype", dtype, f"group {name!r}: 1-byte rows are int8 or float8_e4m3fn "
+                                                        f"(with an fp32 scale), or use a floating dtype")]
+    if not one_byte and not dtype.startswith(("float", "bfloat")):
+        return [ConfigIssue(f"{path}.row.dtype", dtype, f"group {name!r}: rows are floating, or int8 / "
+                                                        f"float8_e4m3fn with an fp32 scale")]
+    if one_byte and spec.row_extra_bytes != 4:
+        return [ConfigIssue(f"{path}.row.extra_bytes", spec.row_extra_bytes,
+                            f"{dtype} rows of group {name!r} need 4 extra bytes for their fp32 scale")]
+    return []
+
+
 def validate(model: ModelSpec) -> list[ConfigIssue]:
     lay = model.layout
     issues = _layout_issues(lay)
@@ -323,7 +342,5 @@ def validate(model: ModelSpec) -> list[ConfigIssue]:
         if spec.row_width < width:
             issues.append(ConfigIssue(f"{p}.row.width", spec.row_width, f"group {name!r} needs rows of at least "
                                                                         f"{width} values"))
-        if not spec.row_dtype.startswith(("float", "bfloat")) and spec.row_extra_bytes != 4:
-            issues.append(ConfigIssue(f"{p}.row.extra_bytes", spec.row_extra_bytes,
-                                      f"integer rows of group {name!r} need 4 extra bytes for their fp32 scale"))
+        issues += _row_format_issues(spec, p, name)
     return issues
