@@ -229,7 +229,8 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
     routes = OpenAIRoutes(server, chat_template)
     token = server.rc.server.auth_token
     registry = metrics_registry(server.engine.stats, routes.model)
-    app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=server.rc.server.http_max_body_bytes)   # 413 while a body is read (http_limits)
 
     @app.middleware("http")
     async def authenticate(http: Request, call_next):

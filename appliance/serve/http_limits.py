@@ -4,8 +4,9 @@ server.http_read_timeout_s, server.http_max_connections).
 What uvicorn offers is used: h11_max_incomplete_event_size bounds the headers, timeout_keep_alive closes a
 connection idle after a response. What it lacks is here, small:
 
-- BodyLimit (ASGI): 413 from Content-Length before a byte of the body is read, and 413 as soon as a chunked or
-  undeclared body passes the limit while it is read, so a 160 MB body is never buffered nor parsed on the loop.
+- Body size: FastAPI(max_body_size=...) answers 413 as soon as a chunked or undeclared body passes the limit
+  while it is read; BodyLimit (ASGI) answers a declared Content-Length over it before the app runs, and closes
+  the connection after any 413. A 160 MB body is never buffered nor parsed on the loop.
 - GuardedH11Protocol (uvicorn's h11 protocol): a request's headers and body must arrive within the read
   timeout of the moment the server began waiting for them, else the connection is closed (slow headers,
   trickled bodies, and sockets opened and left silent). uvicorn closes no connection that never sent a request.
@@ -21,7 +22,6 @@ import json
 from typing import Any, Awaitable, Callable
 
 import h11
-from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from appliance.serve.openai_api import ApiError
@@ -33,14 +33,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_HEADER_BYTES = 65536        # h11_max_incomplete_event_size: request line + headers
-
-
-class BodyTooLarge(HTTPException):
-    """Raised from receive() once a body passes the limit. An HTTPException, so that FastAPI's body reader
-    passes it on (it turns any other error into 400) and the app's handler answers it with its status."""
-
-    def __init__(self, limit: int):
-        super().__init__(413, too_large_message(limit))
 
 
 def too_large_message(limit: int) -> str:
@@ -60,8 +52,11 @@ def declared_length(scope: Scope) -> int | None:
 
 
 class BodyLimit:
-    """ASGI middleware: no body over `max_bytes` reaches the app; the 413 closes the connection (the rest of
-    the body is never read)."""
+    """ASGI middleware around the app: a declared Content-Length over `max_bytes` is answered 413 before the
+    app runs (before auth, before a byte of the body is read). The count while a chunked or undeclared body
+    is read is FastAPI's own (FastAPI(max_body_size=...), the same limit); its 413 is replaced here by the
+    same OpenAI-style error naming the setting. Every 413 closes the connection, so the rest of a refused
+    body is never read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -72,28 +67,20 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = declared_length(scope)
         if declared is not None and declared > self.max_bytes:
-            return await self._refuse(send)
-        received = 0
-        tripped = False
+            return await self.refuse(send)
+        refused = False
 
-        async def limited_receive() -> Message:
-            nonlocal received, tripped
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    tripped = True
-                    raise BodyTooLarge(self.max_bytes)
-            return message
+        async def send_or_refuse(message: Message) -> None:
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 413:
+                refused = True
+                await self.refuse(send)
+            elif not refused:              # (the app's own body of its 413 is dropped)
+                await send(message)
 
-        async def closing_send(message: Message) -> None:
-            if tripped and message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-            await send(message)
+        await self.app(scope, receive, send_or_refuse)
 
-        await self.app(scope, limited_receive, closing_send)
-
-    async def _refuse(self, send: Send) -> None:
+    async def refuse(self, send: Send) -> None:
         body = json.dumps(ApiError(413, too_large_message(self.max_bytes), code="request_too_large").body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
