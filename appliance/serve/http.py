@@ -100,7 +100,8 @@ class OpenAIRoutes:
                     prompt_field: str) -> RequestStream:
         srv = self.server
         try:
-            return await open_stream(srv.engine, srv.executor, request_id, prompt, params)
+            return await open_stream(srv.engine, srv.executor, request_id, prompt, params,
+                                     getattr(srv, "open_streams", None))
         except RequestError as exc:
             field = exc.field.removeprefix("sampling.")
             field = prompt_field if field in ("prompt", "prompt_token_ids") else REQUEST_FIELDS.get(field, field)

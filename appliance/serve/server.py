@@ -98,7 +98,7 @@ class ApplianceService(pb_grpc.ApplianceServicer):
         try:
             prompt = request_prompt(request)
             params = sampling_params(request.sampling)
-            stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params)
+            stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params, srv.open_streams)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=(("invalid-field", exc.field),))
@@ -182,6 +182,7 @@ class ApplianceServer:
         self.startup_message: pb.StartupResponse | None = None
         self.start_error: BaseException | None = None
         self.port: int | None = None
+        self.open_streams: set = set()               # RequestStreams of both front ends not yet finished
         self.executor = ThreadPoolExecutor(max_workers=rc.server.workers, thread_name_prefix="grpc-submit")
         self.ready: asyncio.Event | None = None      # set when the engine start finished (well or not)
         self._stop: asyncio.Event | None = None
@@ -381,6 +382,9 @@ class ApplianceServer:
         self.state = "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
+        for stream in list(self.open_streams):   # the engine could not finish them in time: end them here
+            stream.end_aborted()
+        await asyncio.sleep(0)                   # let their handlers send the finish
         budget = max(deadline - self._loop.time() - 0.1, 0.0) / 2   # half to the front ends, half to the engine
         await asyncio.gather(self._stop_http(budget), self._server.stop(budget))
         self.state = "stopped"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.core.request import FinishReason
 from appliance.serve.server import ApplianceServer, ServerBindError
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
@@ -60,7 +61,7 @@ class StuckEngine(FakeEngine):
     outlasts every grace)."""
 
     def __init__(self, rc, release: threading.Event):
-        super().__init__(rc)
+        super().__init__(rc, step_s=0.05)        # a 400-token request outlasts the test's grace
         self.release = release
         self.drain_entered = threading.Event()
 
@@ -79,12 +80,16 @@ def test_shutdown_ends_within_the_grace_even_when_the_engine_does_not(base_rc):
     srv = Running(rc, StuckEngine(rc, release))
     try:
         srv.wait_serving()
+        stream = srv.client().generate("long", max_tokens=400, ignore_eos=True)
+        next(stream)
         srv.server.request_shutdown()
         assert srv.server.engine.drain_entered.wait(30)
         # grace + tail is the promise; the rest only ends a hung test.
         srv.thread.join(rc.server.grace_period_s + PROMISED_TAIL_S + 10)
         assert not srv.thread.is_alive(), "the server kept waiting for the engine"
         assert srv.error is None and srv.result["status"] == "ok"
+        last = list(stream)[-1]                   # ended by the server, with a finish reason, not cut off
+        assert last.finish_reason == FinishReason.ABORTED and last.usage.completion_tokens < 400
     finally:
         release.set()
 
