@@ -381,10 +381,11 @@ class ApplianceServer:
         print(f"shutting down: health NOT_SERVING, draining for up to {grace} s", flush=True)
         self.state = "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
-        for stream in list(self.open_streams):   # the engine could not finish them in time: end them here
-            stream.end_aborted()
-        await asyncio.sleep(0)                   # let their handlers send the finish
+        drained = await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
+        if not drained:                          # the engine could not finish the streams in time: end them here
+            for stream in list(self.open_streams):
+                stream.end_aborted()
+            await asyncio.sleep(0)               # let their handlers send the finish
         budget = max(deadline - self._loop.time() - 0.1, 0.0) / 2   # half to the front ends, half to the engine
         await asyncio.gather(self._stop_http(budget), self._server.stop(budget))
         self.state = "stopped"
