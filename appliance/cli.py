@@ -83,7 +83,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             from appliance.modes.bench import run_bench
             return run_bench(rc, out)
         from appliance.serve.server import serve
-        return serve(rc, output_dir=out)
+        result = serve(rc, output_dir=out)
+        if not _is_multirun():
+            leave_after_serving()
+        return result
     except StartupError as exc:
         if _full_error():
             raise
@@ -96,6 +99,18 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             from npu.ranks import leave_process
             leave_process(EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
+
+
+def leave_after_serving() -> None:
+    """End the process once the server has stopped, skipping the interpreter's teardown.
+
+    Everything that matters is done by then (responses flushed, the engine and its ranks shut down, output
+    flushed here). The teardown adds nothing but risk and time: an engine thread still inside torch (a start
+    cut short by SIGTERM, a step outlasting the shutdown's bound) is killed by CPython with pthread_exit, whose
+    unwinding through torch's noexcept C++ frames calls std::terminate ("terminate called without an active
+    exception", exit 134); and freeing the model and KV pools object by object takes seconds."""
+    from npu.ranks import leave_process
+    leave_process(0)
 
 
 def _in_process_group() -> bool:

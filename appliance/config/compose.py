@@ -258,6 +258,10 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     c.positive_int("server.max_message_bytes", srv.max_message_bytes)
     c.non_negative("server.grace_period_s", srv.grace_period_s)
     c.non_negative("server.startup_timeout_s", srv.startup_timeout_s)
+    c.positive_int("server.http_max_body_bytes", srv.http_max_body_bytes)
+    c.check(isinstance(srv.http_read_timeout_s, (int, float)) and srv.http_read_timeout_s > 0,
+            "server.http_read_timeout_s", srv.http_read_timeout_s, "must be > 0 seconds")
+    c.positive_int("server.http_max_connections", srv.http_max_connections)
     c.check((srv.tls_cert_file is None) == (srv.tls_key_file is None), "server.tls_key_file", srv.tls_key_file,
             "TLS needs both server.tls_cert_file and server.tls_key_file")
     if not is_loopback(srv.host):

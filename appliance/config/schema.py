@@ -127,6 +127,9 @@ class ServerConfig:
     grace_period_s: float = MISSING
     startup_timeout_s: float = MISSING
     workers: int = MISSING
+    http_max_body_bytes: int = MISSING     # a bigger body is answered 413 (Content-Length or counted while read)
+    http_read_timeout_s: float = MISSING   # a request's headers and body must arrive within this; else closed
+    http_max_connections: int = MISSING    # open HTTP connections; beyond it the longest-waiting idle one is closed
 
 
 @dataclass

@@ -93,6 +93,9 @@ class ServerSettings:
     grace_period_s: float
     startup_timeout_s: float
     workers: int
+    http_max_body_bytes: int               # a bigger body is answered 413 (Content-Length or counted while read)
+    http_read_timeout_s: float             # a request's headers and body must arrive within this; else closed
+    http_max_connections: int              # open HTTP connections; beyond it the longest-waiting idle one is closed
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,8 @@ probes."""
 from __future__ import annotations
 
 import hmac
+import os
+import stat
 from typing import Any
 
 import grpc
@@ -17,6 +19,21 @@ def bearer_token_matches(value: str | bytes | None, token: str) -> bool:
         return False
     got = value.encode() if isinstance(value, str) else bytes(value)
     return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
+def token_file_warning(path: str | None) -> str | None:
+    """A warning when server.auth_token_file can be read by every user of the machine (anyone could then
+    call the server with it), naming the file and the fix; None when it is private or not given."""
+    if path is None:
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:          # the composer read it a moment ago; nothing to say about a file that went away
+        return None
+    if not mode & stat.S_IROTH:
+        return None
+    return (f"warning: server.auth_token_file={path} is readable by every user (mode {stat.filemode(mode)}), so "
+            f"anyone on this machine can read the token. Fix: chmod 600 {path}")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import os
 import socket
 import time
 import uuid
@@ -47,6 +49,7 @@ from appliance.core.request import (
 )
 from appliance.serve.auth import bearer_token_matches
 from appliance.serve.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from appliance.serve.http_limits import BodyLimit, uvicorn_limits
 from appliance.serve.metrics import metrics_registry, render
 from appliance.serve.openai_api import (
     REQUEST_FIELDS,
@@ -59,6 +62,7 @@ from appliance.serve.openai_api import (
     invalid,
     request_field_names,
 )
+from appliance.serve.ports import suggested_port
 from appliance.serve.streams import RequestStream, open_stream
 
 
@@ -115,7 +119,8 @@ class OpenAIRoutes:
         """Submit; engine refusals name the field as the client wrote it (`renamed`: engine name -> client's)."""
         srv = self.server
         try:
-            return await open_stream(srv.engine, srv.executor, request_id, prompt, params)
+            return await open_stream(srv.engine, srv.executor, request_id, prompt, params,
+                                     getattr(srv, "open_streams", None))
         except RequestError as exc:
             raise _request_error(exc, renamed) from None
         except QueueFullError as exc:
@@ -278,7 +283,8 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
     routes = OpenAIRoutes(server, chat_template)
     token = server.rc.server.auth_token
     registry = metrics_registry(server.engine.stats, routes.model)
-    app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=server.rc.server.http_max_body_bytes)   # 413 while a body is read (http_limits)
 
     @app.middleware("http")
     async def authenticate(http: Request, call_next):
@@ -324,6 +330,18 @@ class HttpBindError(OSError):
     """server.host:server.http_port cannot be bound."""
 
 
+def http_bind_failure(host: str, port: int, exc: OSError, taken_ports: tuple[int, ...]) -> str:
+    """Why server.host:server.http_port cannot be bound, and a fix that is not another configured port."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = f"cannot listen on server.host:server.http_port {host}:{port}: {reason}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"{where} (another server, or an appliance still running). Fix: pick a free port, e.g. "
+                f"server.http_port={suggested_port(port, taken_ports)}, stop the process holding it, "
+                f"or server.http_port=null to disable HTTP")
+    return (f"{where} (the host is not an address of this machine or the port is in use). Fix: another "
+            f"server.host or server.http_port, or server.http_port=null to disable HTTP")
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn on the gRPC server's event loop. The appliance owns SIGTERM/SIGINT (drain first, then stop both
     front ends), so uvicorn must not install its own signal handlers."""
@@ -343,25 +361,35 @@ class HttpFrontEnd:
         self._socket: socket.socket | None = None
         self._main: asyncio.Future | None = None
 
-    async def start(self, grace_s: float) -> int:
+    def bind(self, taken_ports: tuple[int, ...] = ()) -> int:
+        """Bind server.host:server.http_port now, before gRPC says it listens, so a busy port stops the start
+        before anything is announced. `taken_ports` (the gRPC port) are never suggested as the fix."""
         srv = self.server.rc.server
         host = srv.host.strip("[]")
         try:
-            sock = socket.create_server((host, srv.http_port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self._socket = socket.create_server((host, srv.http_port),
+                                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as exc:
-            raise HttpBindError(f"cannot listen on server.host:server.http_port {srv.host}:{srv.http_port}: {exc.strerror}"
-                                f" (the port is in use or the host is not an address of this machine; "
-                                f"server.http_port=null disables HTTP)") from None
+            raise HttpBindError(http_bind_failure(srv.host, srv.http_port, exc, taken_ports)) from None
+        self.port = self._socket.getsockname()[1]
+        return self.port
+
+    async def start(self, grace_s: float) -> int:
+        srv = self.server.rc.server
+        if self._socket is None:
+            self.bind()
+        sock = self._socket
         try:
             try:
                 chat_template = load_chat_template(self.server.rc.model)
             except ChatTemplateError as exc:      # a startup fault like a bad config: exit 2, naming the file
                 raise ConfigError([ConfigIssue("model.weights", self.server.rc.model.weights, str(exc))]) from None
-            config = uvicorn.Config(create_app(self.server, chat_template),
-                                    lifespan="off", log_config=None, access_log=False,
+            app = BodyLimit(create_app(self.server, chat_template), srv.http_max_body_bytes)
+            config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                     ssl_certfile=srv.tls_cert_file, ssl_keyfile=srv.tls_key_file,
-                                    timeout_graceful_shutdown=max(grace_s, 0.1))
-            self._socket, self._uvicorn = sock, _EmbeddedUvicorn(config)
+                                    timeout_graceful_shutdown=max(grace_s, 0.1),
+                                    **uvicorn_limits(srv.http_read_timeout_s, srv.http_max_connections))
+            self._uvicorn = _EmbeddedUvicorn(config)
             self._main = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
             while not self._uvicorn.started and not self._main.done():
                 await asyncio.sleep(0.005)
@@ -372,12 +400,21 @@ class HttpFrontEnd:
             sock.close()
             self._uvicorn = None
             raise
-        self.port = sock.getsockname()[1]
         return self.port
 
-    async def stop(self) -> None:
+    def close_unstarted(self) -> None:
+        """Release a port bound by bind() when the server stops before start()."""
+        if self._socket is not None and self._uvicorn is None:
+            self._socket.close()
+
+    async def stop(self, budget_s: float) -> None:
+        """Stop within budget_s: uvicorn's graceful stop first, then its forced exit (open streams are cut)."""
         if self._uvicorn is None:
             return
         self._uvicorn.should_exit = True
-        await self._main
+        done, _ = await asyncio.wait({self._main}, timeout=max(budget_s, 0.0))
+        if not done:
+            self._uvicorn.force_exit = True
+            self._main.cancel()
+            await asyncio.gather(self._main, return_exceptions=True)
         self._uvicorn = None

@@ -6,10 +6,13 @@ max_num_seqs + max_waiting_requests streams (272 by default) would need that man
 thread hands each delta to the event loop with call_soon_threadsafe; blocking engine calls (start, submit,
 drain, shutdown) run off the loop, so health checks and Startup answer while the engine loads.
 
-Lifecycle of `serve(rc)`: bind (print "listening on HOST:PORT"), health NOT_SERVING -> engine.start() in a
-thread -> print the startup report and write startup_report.json -> health SERVING. On SIGTERM/SIGINT:
-health NOT_SERVING, refuse new Generate calls (UNAVAILABLE), engine.drain(grace_period_s), stop the gRPC
-server, engine.shutdown(), return (exit 0).
+Lifecycle of `serve(rc)`: bind both ports (print "listening on HOST:PORT"), health NOT_SERVING ->
+engine.start() in a thread -> print the startup report and write startup_report.json -> health SERVING. On
+SIGTERM/SIGINT: health NOT_SERVING, refuse new Generate calls (UNAVAILABLE), engine.drain(grace_period_s),
+stop both front ends, engine.shutdown(), return (exit 0). Everything after the grace shares SHUTDOWN_TAIL_S,
+so the process is gone within grace_period_s + 2 s even when an engine step or a stream outlasts it.
+A signal during the engine start waits (up to the same bound) for the start to end and shuts the engine down:
+a thread still inside torch when the interpreter finalizes is killed mid-C++ and aborts the process.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from appliance.core.startup_report import StartupReport
 from appliance.modes.results import write_result
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.api import appliance_pb2_grpc as pb_grpc
-from appliance.serve.auth import BearerTokenInterceptor
+from appliance.serve.auth import BearerTokenInterceptor, token_file_warning
 from appliance.serve.convert import (
     generate_response,
     request_prompt,
@@ -52,12 +55,16 @@ from appliance.serve.convert import (
 )
 from appliance.serve.http import HttpBindError, HttpFrontEnd
 from appliance.serve.malformed import MalformedRequestInterceptor
+from appliance.serve.ports import suggested_port
 from appliance.serve.streams import open_stream
 from appliance.serve.tls import load_tls_pair
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
 FLUSH_GRACE_S = 2.0          # after the drain: time for the last messages of finished streams to go out
+SHUTDOWN_TAIL_S = 2.0        # after server.grace_period_s: abort the rest, flush, stop both front ends and the engine
+FRONT_ENDS_STOP_S = 0.8      # of the tail: stopping gRPC and HTTP (the last messages go out meanwhile)
+EXIT_RESERVE_S = 0.2         # of the tail: the process leaving (appliance.cli skips the interpreter's teardown)
 
 
 # -- service -------------------------------------------------------------------------------------------
@@ -91,7 +98,7 @@ class ApplianceService(pb_grpc.ApplianceServicer):
         try:
             prompt = request_prompt(request)
             params = sampling_params(request.sampling)
-            stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params)
+            stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params, srv.open_streams)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=(("invalid-field", exc.field),))
@@ -132,9 +139,10 @@ class ServerBindError(StartupError, OSError):
     """server.host:server.port cannot be bound (the CLI exits 2 with the message)."""
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, taken_ports: tuple[int | None, ...] = ()) -> None:
     """Bind server.host:server.port with a plain socket first, so a busy port or a foreign address is reported
-    with its reason and the fix (gRPC only logs a C-core line and fails). Port 0 picks a free port: nothing to check."""
+    with its reason and the fix (gRPC only logs a C-core line and fails). Port 0 picks a free port: nothing to check.
+    `taken_ports` (server.http_port) are never suggested as the fix."""
     if port == 0:
         return
     address = host.strip("[]")
@@ -144,15 +152,15 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((address, port))
         except OSError as exc:
-            raise ServerBindError(bind_failure(host, port, exc)) from None
+            raise ServerBindError(bind_failure(host, port, exc, taken_ports)) from None
 
 
-def bind_failure(host: str, port: int, exc: OSError | None) -> str:
+def bind_failure(host: str, port: int, exc: OSError | None, taken_ports: tuple[int | None, ...] = ()) -> str:
     """Why server.host:server.port cannot be bound, and what to change."""
     where = f"cannot listen on server.host={host} server.port={port}"
     if exc is not None and exc.errno == errno.EADDRINUSE:
         return (f"{where}: the port is in use (another server, or an appliance still running). Fix: pick a free "
-                f"port, e.g. server.port={port + 1 if 0 < port < 65535 else 50052}, or stop the process holding it")
+                f"port, e.g. server.port={suggested_port(port, taken_ports)}, or stop the process holding it")
     if exc is not None and exc.errno == errno.EACCES:
         return f"{where}: ports below 1024 need privileges. Fix: server.port=50051 (or any port from 1024 up)"
     reason = f" ({exc.strerror or exc})" if exc is not None else ""
@@ -174,6 +182,7 @@ class ApplianceServer:
         self.startup_message: pb.StartupResponse | None = None
         self.start_error: BaseException | None = None
         self.port: int | None = None
+        self.open_streams: set = set()               # RequestStreams of both front ends not yet finished
         self.executor = ThreadPoolExecutor(max_workers=rc.server.workers, thread_name_prefix="grpc-submit")
         self.ready: asyncio.Event | None = None      # set when the engine start finished (well or not)
         self._stop: asyncio.Event | None = None
@@ -181,6 +190,9 @@ class ApplianceServer:
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._tls = load_tls_pair(rc.server)        # checked here, before the engine's preflight and the bind
+        warning = token_file_warning(rc.server.auth_token_file)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         self.http = HttpFrontEnd(self) if rc.server.http_port is not None else None   # OpenAI-compatible HTTP
 
     @property
@@ -198,7 +210,12 @@ class ApplianceServer:
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop.set)
-        await self._start_grpc()
+        try:
+            await self._start_grpc()
+        except BaseException:
+            if self.http is not None:
+                self.http.close_unstarted()
+            raise
         await self._start_http()
         start = self._start_engine()
         stop = asyncio.ensure_future(self._stop.wait())
@@ -206,17 +223,12 @@ class ApplianceServer:
         if not start.done() or start.exception() is not None:
             stop.cancel()
         if not start.done():                         # stopped while the engine was still starting
-            print("shutdown requested during engine start; stopping without serving", flush=True)
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.state = "stopped"
-            await self._stop_http()
-            await self._server.stop(0)
-            self.executor.shutdown(wait=False)
+            await self._stop_during_start(start)
             return {"status": "interrupted", "mode": "serve", "address": self.address}
         if start.exception() is not None:
             self.start_error = start.exception()
             self.ready.set()
-            await self._stop_http()
+            await self._stop_http(FLUSH_GRACE_S)
             await self._server.stop(FLUSH_GRACE_S)
             self.executor.shutdown(wait=False)
             raise self.start_error
@@ -225,6 +237,47 @@ class ApplianceServer:
         await self._shutdown()
         return {"status": "ok", "mode": "serve", "address": self.address,
                 "capacity_slots": self.report.capacity_slots}
+
+    async def _stop_during_start(self, start: asyncio.Future) -> None:
+        """Stop without serving; wait for the engine start to end (it cannot be interrupted inside torch) and
+        shut the engine down, within grace_period_s + SHUTDOWN_TAIL_S. A start still running then is left to
+        appliance.cli, which ends the process without the interpreter's teardown."""
+        deadline = self._loop.time() + self.rc.server.grace_period_s + SHUTDOWN_TAIL_S - EXIT_RESERVE_S
+        print(f"shutdown requested during engine start; stopping without serving (the start may take up to "
+              f"{self.rc.server.grace_period_s + SHUTDOWN_TAIL_S:g} s more to wind down)", flush=True)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.state = "stopped"
+        await asyncio.gather(self._stop_http(FRONT_ENDS_STOP_S), self._server.stop(0))
+        await asyncio.wait({start}, timeout=max(deadline - self._loop.time(), 0.0))
+        if start.done() and start.exception() is None:
+            await self._within(deadline, self.engine.shutdown)
+        self.executor.shutdown(wait=False)
+
+    async def _within(self, deadline: float, blocking: Any, *args: Any) -> bool:
+        """Run a blocking engine call in a daemon thread until the loop time `deadline`; whether it finished.
+        A daemon thread, not the executor: an overrunning call must not hold the process at exit."""
+        fut = self._loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+
+        def target() -> None:
+            exc = None
+            try:
+                blocking(*args)
+            except BaseException as e:      # noqa: BLE001 - re-raised on the loop
+                exc = e
+            try:
+                self._loop.call_soon_threadsafe(settle, exc)
+            except RuntimeError:            # the loop closed meanwhile
+                pass
+
+        threading.Thread(target=target, name=f"engine-{getattr(blocking, '__name__', 'call')}", daemon=True).start()
+        done, _ = await asyncio.wait({fut}, timeout=max(deadline - self._loop.time(), 0.0))
+        if done:
+            fut.result()
+        return bool(done)
 
     async def _start_grpc(self) -> None:
         srv = self.rc.server
@@ -241,7 +294,12 @@ class ApplianceServer:
             self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         bind = host_port(srv.host, srv.port)
-        check_port_free(srv.host, srv.port)
+        check_port_free(srv.host, srv.port, (srv.http_port,))
+        if self.http is not None:        # checked before "listening on": a busy HTTP port stops the start here
+            try:
+                self.http.bind(taken_ports=(srv.port,))
+            except HttpBindError as exc:
+                raise ServerBindError(str(exc)) from None
         port = 0
         try:
             if self._tls is not None:
@@ -275,9 +333,9 @@ class ApplianceServer:
         print(f"http listening on {where} ({scheme}://{where}/v1 OpenAI-compatible, /health, /metrics"
               f"{'; bearer token' if srv.auth_token else ''})", flush=True)
 
-    async def _stop_http(self) -> None:
+    async def _stop_http(self, budget_s: float) -> None:
         if self.http is not None:
-            await self.http.stop()
+            await self.http.stop(budget_s)
 
     def _start_engine(self) -> asyncio.Future:
         """engine.start() in a daemon thread: it blocks for minutes on big models, and a shutdown requested
@@ -315,17 +373,26 @@ class ApplianceServer:
         print(f"SERVING on {self.address}", flush=True)
 
     async def _shutdown(self) -> None:
+        """Drain for the grace, then share SHUTDOWN_TAIL_S: the engine aborts what is left and streams it, both
+        front ends stop (the last messages go out), the engine shuts down. No step waits past its share: a
+        step or a rank teardown that outlasts it is left to appliance.cli, which ends the process."""
         grace = self.rc.server.grace_period_s
+        deadline = self._loop.time() + grace + SHUTDOWN_TAIL_S - EXIT_RESERVE_S
         print(f"shutting down: health NOT_SERVING, draining for up to {grace} s", flush=True)
         self.state = "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._loop.run_in_executor(None, self.engine.drain, grace)
-        await self._stop_http()
-        await self._server.stop(FLUSH_GRACE_S)
+        drained = await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
+        if not drained:                          # the engine could not finish the streams in time: end them here
+            for stream in list(self.open_streams):
+                stream.end_aborted()
+            await asyncio.sleep(0)               # let their handlers send the finish
+        budget = max(deadline - self._loop.time() - 0.1, 0.0) / 2   # half to the front ends, half to the engine
+        await asyncio.gather(self._stop_http(budget), self._server.stop(budget))
         self.state = "stopped"
-        await self._loop.run_in_executor(None, self.engine.shutdown)
+        stopped = await self._within(deadline, self.engine.shutdown)
         self.executor.shutdown(wait=False)
-        print("stopped", flush=True)
+        print("stopped" if stopped else "stopped (the engine was still stopping; the process ends anyway)",
+              flush=True)
 
     async def _set_health(self, status: int) -> None:
         for name in HEALTH_SERVICES:

@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import Executor
 from typing import Any
 
-from appliance.core.request import RequestOutput, SamplingParams
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
 
 
 def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
@@ -26,29 +26,51 @@ def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
 
 
 class RequestStream:
-    """A submitted request: `await next_output()` until one is finished; `abort()` frees its blocks."""
+    """A submitted request: `await next_output()` until one is finished; `abort()` frees its blocks.
+    While open it sits in `registry` (the server's open streams), so a shutdown can end it."""
 
-    def __init__(self, handle: Any, queue: asyncio.Queue):
+    def __init__(self, handle: Any, queue: asyncio.Queue, request_id: str, registry: set | None = None):
         self.handle = handle
+        self.request_id = request_id
+        self.completion_tokens = 0
         self._queue = queue
+        self._registry = registry if registry is not None else set()
+        self._registry.add(self)
 
     async def next_output(self) -> RequestOutput:
         """The next delta, merged with any that queued up behind it."""
-        return coalesce(await self._queue.get(), self._queue)
+        out = coalesce(await self._queue.get(), self._queue)
+        self.completion_tokens += len(out.new_token_ids)
+        if out.finished or out.error is not None:
+            self._registry.discard(self)
+        return out
 
     def abort(self) -> None:
+        self._registry.discard(self)
         self.handle.abort()
+
+    def end_aborted(self) -> None:
+        """Finish the stream here, ABORTED with what it delivered, when the engine cannot in time (a step that
+        outlasts the shutdown's bound): the client gets a finish reason rather than a cut connection."""
+        seq = getattr(self.handle, "seq", None)
+        prompt_tokens = len(seq.prompt_token_ids) if seq is not None else 0
+        self._queue.put_nowait(RequestOutput(self.request_id, (), "", FinishReason.ABORTED,
+                                             Usage(prompt_tokens, self.completion_tokens, 0)))
+        self._registry.discard(self)
 
 
 async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: str | list[int],
-                      params: SamplingParams) -> RequestStream:
+                      params: SamplingParams, registry: set | None = None) -> RequestStream:
     """engine.submit off the event loop. Raises what submit raises (RequestError, QueueFullError,
     EngineUnavailableError); a cancel while submitting aborts the request as soon as it exists."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     def on_output(out: RequestOutput) -> None:        # engine thread
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:        # the server stopped and its loop closed: nobody reads this stream any more
+            pass
 
     submit = loop.run_in_executor(executor, engine.submit, request_id, prompt, params, on_output)
     try:
@@ -56,4 +78,4 @@ async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: 
     except asyncio.CancelledError:
         submit.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
         raise
-    return RequestStream(handle, queue)
+    return RequestStream(handle, queue, request_id, registry)

@@ -8,6 +8,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason
 from tests.engine.instrumented import loop_held
 from tests.serve.harness import serve_hooked_engine
+from tests.serve.test_server import wait_for
 from tests.serve.test_server_engine_faults import OVERRIDES
 
 
@@ -23,10 +24,13 @@ def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks():
             srv.server.request_shutdown()
             # drain() returns once it has aborted what was left (it waits a few seconds for the held loop).
             assert engine.drained.wait(60), "the drain did not return"
-        lasts = [list(s)[-1] for s in streams]
-        assert [last.finish_reason for last in lasts] == [FinishReason.ABORTED] * 2
-        assert all(last.usage.completion_tokens < 100 for last in lasts)
-        assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+            # The held step outlasts grace + 2 s: the server ends the streams itself (ABORTED) and stops.
+            lasts = [list(s)[-1] for s in streams]
+            assert [last.finish_reason for last in lasts] == [FinishReason.ABORTED] * 2
+            assert all(last.usage.completion_tokens < 100 for last in lasts)
+        # Once the step ends, the engine finishes the aborts and frees their blocks.
+        wait_for(lambda: engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks(),
+                 60, "the aborted requests' blocks to be freed")
         srv.thread.join(60)
         assert srv.result["status"] == "ok"
     finally:
