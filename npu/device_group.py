@@ -105,6 +105,14 @@ class LocalRanks:
 
         threading.Thread(target=run, name="rank-watch", daemon=True).start()
 
+    def kill(self) -> None:
+        """End every spawned rank now and reap it: after a failure the live ones wait for a step that never comes
+        (and ignore SIGTERM, which is meant for the owner)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Wait for the ranks to exit (after STOP), then terminate, then kill whatever is left."""
         deadline = time.monotonic() + wait_s
@@ -187,8 +195,10 @@ class DeviceGroup:
             except RuntimeError as exc:      # a rank is gone already
                 log.warning("stopping the ranks: %s", exc)
                 self.failure = str(exc)
-        if self.ranks is not None:
-            self.ranks.stop(wait_s=STOP_WAIT_S if self.failure is None else 0.0)
+        if self.ranks is not None and self.failure is None:
+            self.ranks.stop()
+        elif self.ranks is not None:
+            self.ranks.kill()
         self.group.close()
         self.runner.shutdown()
 
