@@ -124,8 +124,13 @@ class OpenAIRoutes:
         text, last = collect.result()
         self._log_finished(last)
         if last.error is not None:
-            raise ApiError(500, f"the request failed inside the engine: {last.error}", type_="server_error")
+            raise ApiError(self._failed_status(), f"the request failed inside the engine: {last.error}",
+                           type_="server_error")
         return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
+
+    def _failed_status(self) -> int:
+        """A request the engine failed: 503 once the engine itself has stopped (a rank died; retry elsewhere), else 500."""
+        return 503 if getattr(self.server, "failure", None) is not None else 500
 
     @staticmethod
     async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
@@ -147,7 +152,7 @@ class OpenAIRoutes:
                 if out.new_text:
                     yield _sse(shape.chunk(out.new_text, None, include_usage))
                 if out.error is not None:
-                    yield _sse(ApiError(500, f"the request failed inside the engine: {out.error}",
+                    yield _sse(ApiError(self._failed_status(), f"the request failed inside the engine: {out.error}",
                                         type_="server_error").body())
                 elif finished:
                     yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage))

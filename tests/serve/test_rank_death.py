@@ -9,6 +9,7 @@ with no rank left behind. The test waits for states (a request streaming, the se
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -73,6 +74,18 @@ def state_letter(pid: int) -> str | None:
         return None
 
 
+def post_completion(port: int, result: dict) -> None:
+    """A non-streaming HTTP completion; its status and body go to `result`."""
+    body = json.dumps({"prompt": [9, 10, 11], "max_tokens": LONG, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            result.update(status=r.status, body=r.read().decode())
+    except urllib.error.HTTPError as err:
+        result.update(status=err.code, body=err.read().decode())
+
+
 class HeldShutdown(ApplianceServer):
     """The server with its shutdown held until the test has looked at the failed state (health, /health,
     Stats): otherwise it may end before the test looks."""
@@ -95,8 +108,16 @@ def test_a_killed_rank_fails_health_and_requests_and_the_server_stops(monkeypatc
         srv.wait_serving(300)
         (rank,) = spawned_ranks(os.getpid())
         channel, call = stream_until_first_token(srv.address)
+        http_result: dict = {}
+        http_call = threading.Thread(target=post_completion, args=(srv.server.http.port, http_result))
+        http_call.start()
+        wait_for(lambda: srv.engine.num_in_flight() == 2, 60, "the HTTP request in flight too")
         os.kill(rank, signal.SIGKILL)
         assert_names_the_rank(finish_error(call), rank)
+        http_call.join(60)
+        assert http_result["status"] == 503, http_result
+        assert f"rank 1 (pid {rank}) died: killed by SIGKILL" in http_result["body"]
+        assert not any(word in http_result["body"] for word in INTERNALS), http_result["body"]
         wait_for(lambda: srv.server.state == "failed", 60, "the failed state")
         client = srv.client()
         assert client.health() == "NOT_SERVING"
