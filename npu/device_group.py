@@ -92,9 +92,9 @@ class LocalRanks:
         return "; ".join(f"rank {rank} (pid {p.pid}) died: {exit_reason(p.poll())}"
                          for rank, p in enumerate(self.procs, start=1) if p.poll() is not None)
 
-    def watch(self, on_death: Callable[[str], None], stopped: threading.Event) -> None:
-        """Call on_death(message) once, from a watcher thread, as soon as a spawned rank dies (before `stopped`
-        is set): a dead rank is noticed while the server is idle too, not only by the next step."""
+    def watch(self, on_death: Callable[[str], None], stopped: threading.Event) -> threading.Thread:
+        """Call on_death(message) once, from a watcher thread (returned), as soon as a spawned rank dies (before
+        `stopped` is set): a dead rank is noticed while the server is idle too, not only by the next step."""
         def run() -> None:
             while not stopped.wait(WATCH_POLL_S):
                 message = self.died()
@@ -103,7 +103,9 @@ class LocalRanks:
                         on_death(message)
                     return
 
-        threading.Thread(target=run, name="rank-watch", daemon=True).start()
+        thread = threading.Thread(target=run, name="rank-watch", daemon=True)
+        thread.start()
+        return thread
 
     def kill(self) -> None:
         """End every spawned rank now and reap it: after a failure the live ones wait for a step that never comes
