@@ -1,6 +1,6 @@
 PYTHON ?= python
 
-.PHONY: install test proto bench bench-all clean mutation
+.PHONY: install test proto bench bench-all soak clean mutation
 
 # The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build. The last line
 # compiles the CPU paged-attention kernel into ~/.cache/appliance/kernels, so no start waits for the compiler.
@@ -23,6 +23,12 @@ bench:
 # quiet 2-core machine). A subset: make bench-all BENCH_ARGS="--only engine,grpc --runs 1"; the list: --list.
 bench-all:
 	$(PYTHON) bench/run_all.py $(BENCH_ARGS)
+
+# Soak (never part of `make test`): a real server under streaming load with cancels, bad requests and preemption
+# for SOAK_SECONDS (15 min); fails unless it ends idle with every cache group's blocks back and RSS flat.
+SOAK_SECONDS ?= 900
+soak:
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PYTHON) bench/soak.py $(SOAK_ARGS)
 
 # Mutation testing (docs/TESTING.md): hours of CPU, so never part of `make test` or CI. One module at a time
 # (`make mutation-sampler` runs one), each mutant against the fast tests written for its module (the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -36,6 +37,7 @@ from npu.cpu_memory import AllocationTracker
 log = logging.getLogger("npu.backends")
 
 MEMINFO = "/proc/meminfo"
+LOADAVG = "/proc/loadavg"
 NPU_INSTALL_HINT = ("install the torch-npu package (pip install '.[npu]') on a host with the Ascend CANN toolkit "
                     "installed and sourced (set_env.sh)")
 
@@ -228,20 +230,59 @@ def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
     return values
 
 
+def host_busy_cores(loadavg_path: str | None = None) -> float:
+    """How many of the host's cores other work keeps busy: the 1-minute load average, or the processes runnable
+    right now besides this one when more (the average lags a minute behind a load that just began)."""
+    try:
+        with open(loadavg_path or LOADAVG) as fh:
+            fields = fh.read().split()
+        runnable_now = int(fields[3].split("/")[0]) - 1
+        return max(float(fields[0]), float(runnable_now))
+    except (OSError, IndexError, ValueError):
+        return os.getloadavg()[0]
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+
+
+def auto_cpu_threads(cores: int, busy: float, ranks_on_host: int = 1) -> ThreadChoice:
+    """device.cpu_threads=null: one intra-op thread per core this rank may use that other work does not keep busy,
+    at least 1. Why not every core: OpenMP's threads meet at a barrier after every op, so one thread descheduled
+    by another process stalls the rest; on a shared host 2 threads were 10-30x slower than 1 (BENCHMARKS.md,
+    "Shared host") while on an idle host each extra core is a gain."""
+    share = max(1, cores // max(1, ranks_on_host))
+    free = cores - round(busy)
+    threads = max(1, min(share, free))
+    ranks = f", {ranks_on_host} ranks sharing them" if ranks_on_host > 1 else ""
+    why = "the others are busy" if threads < share else "every one idle"
+    return ThreadChoice(threads, f"{cores} cores{ranks}, about {busy:.1f} busy with other work: {why}")
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on, at most torch's current thread count (its default: one per physical
+    core; lower when the embedding application set it so)."""
+    return max(1, min(len(os.sched_getaffinity(0)), torch.get_num_threads()))
+
+
 class CpuBackend(Backend):
     """The host as one device. Peak is tracked by AllocationTracker inside `tracking()` windows."""
 
     kind = "cpu"
 
     def __init__(self, count: int | None = None, memory_bytes_per_device: int | None = None,
-                 meminfo_path: str = MEMINFO, threads: int | None = None):
+                 meminfo_path: str = MEMINFO, threads: int | None = None, ranks_on_host: int = 1):
         if count not in (None, 1):
             raise BackendUnavailableError(f"device.count={count}: the cpu backend has exactly one device")
         super().__init__(1)
-        if threads is not None:
-            # Tiny kernels lose more to thread hand-offs than they gain, and a server shares the host with
-            # its clients; the operator picks the intra-op thread count (device.cpu_threads).
-            torch.set_num_threads(threads)
+        if threads is None:                  # a server shares the host with its clients (and often more)
+            choice = auto_cpu_threads(cpu_cores(), host_busy_cores(), ranks_on_host)
+            log.info("device.cpu_threads=null: %d intra-op thread%s (%s); set device.cpu_threads to choose",
+                     choice.threads, "" if choice.threads == 1 else "s", choice.reason)
+            threads = choice.threads
+        torch.set_num_threads(threads)
         keep_freed_memory()          # a step reuses the last step's pages instead of faulting in new ones
         self.memory_cap = memory_bytes_per_device
         self.meminfo_path = meminfo_path
@@ -301,10 +342,11 @@ def _npu_visible() -> tuple[bool, str]:
     return (n > 0), (f"{n} NPU(s) visible" if n else "torch_npu is installed but no NPU is visible")
 
 
-def select_backend(device: DeviceSettings, first: int = 0) -> Backend:
+def select_backend(device: DeviceSettings, first: int = 0, ranks_on_host: int = 1) -> Backend:
     """The backend for rc.device: an explicit kind, or auto = npu, then cuda, then cpu (logged with why).
 
-    `first`: the physical index of its device 0 on this host (a rank's local rank; the host CPU has one)."""
+    `first`: the physical index of its device 0 on this host (a rank's local rank; the host CPU has one);
+    `ranks_on_host`: the ranks whose processes share the host CPU (its cores are divided among them)."""
     kind, count, cap = device.kind, device.count, device.memory_bytes_per_device
     if device.offline:
         raise BackendUnavailableError("this device profile is an offline planning profile (device.offline=true); "
@@ -314,7 +356,7 @@ def select_backend(device: DeviceSettings, first: int = 0) -> Backend:
     if kind == "cuda":
         return CudaBackend(count, cap, first)
     if kind == "cpu":
-        return CpuBackend(count, cap, threads=device.cpu_threads)
+        return CpuBackend(count, cap, threads=device.cpu_threads, ranks_on_host=ranks_on_host)
     if kind != "auto":
         raise BackendUnavailableError(f"device.kind={kind!r}: must be one of auto, cpu, cuda, npu")
     npu_ok, npu_why = _npu_visible()
@@ -329,4 +371,5 @@ def select_backend(device: DeviceSettings, first: int = 0) -> Backend:
     cpu_cap = cap if cap is not None else device.cpu_memory_bytes
     log.info("device=auto chose cpu: %s; %s (memory: %s)", npu_why, cuda_why,
              f"a budget of {cpu_cap:,} B" if cpu_cap else f"MemAvailable of {MEMINFO}")
-    return CpuBackend(None if count is None else count, cpu_cap, threads=device.cpu_threads)
+    return CpuBackend(None if count is None else count, cpu_cap, threads=device.cpu_threads,
+                      ranks_on_host=ranks_on_host)

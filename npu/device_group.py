@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,6 +37,24 @@ from npu.worker import STOP, run_step
 log = logging.getLogger("npu.device_group")
 
 STOP_WAIT_S = 30.0       # how long stopped ranks may take to exit before they are terminated
+WATCH_POLL_S = 0.1       # how often the spawned ranks are checked while serving (a dead one is reaped then)
+DEATH_GRACE_S = 2.0      # after a failed step: how long a rank whose connection broke may take to be seen dead
+
+
+class RanksLostError(RuntimeError):
+    """The ranks can no longer step together (a rank died, or a step collective failed): the device plane is
+    gone for good. The message names the rank when a spawned one died and holds no transport internals, so
+    front ends may show it to clients; the engine fails every request and stops (the service restarts it)."""
+
+
+def exit_reason(status: int) -> str:
+    """A Popen returncode in words: 'killed by SIGKILL', 'exited with status 1'."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with status {status}"
 
 
 class LocalRanks:
@@ -66,6 +86,35 @@ class LocalRanks:
         return "; ".join(f"rank {rank} exited with status {code} before joining (its output says why)"
                          for rank, code in gone)
 
+    def died(self) -> str:
+        """Which spawned rank has exited while serving ('' when all run), e.g. 'rank 1 (pid 42) died: killed by
+        SIGKILL'. Polling reaps the exited process, so no zombie is left behind."""
+        return "; ".join(f"rank {rank} (pid {p.pid}) died: {exit_reason(p.poll())}"
+                         for rank, p in enumerate(self.procs, start=1) if p.poll() is not None)
+
+    def watch(self, on_death: Callable[[str], None], stopped: threading.Event) -> threading.Thread:
+        """Call on_death(message) once, from a watcher thread (returned), as soon as a spawned rank dies (before
+        `stopped` is set): a dead rank is noticed while the server is idle too, not only by the next step."""
+        def run() -> None:
+            while not stopped.wait(WATCH_POLL_S):
+                message = self.died()
+                if message:
+                    if not stopped.is_set():
+                        on_death(message)
+                    return
+
+        thread = threading.Thread(target=run, name="rank-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def kill(self) -> None:
+        """End every spawned rank now and reap it: after a failure the live ones wait for a step that never comes
+        (and ignore SIGTERM, which is meant for the owner)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Wait for the ranks to exit (after STOP), then terminate, then kill whatever is left."""
         deadline = time.monotonic() + wait_s
@@ -91,6 +140,7 @@ class DeviceGroup:
         self.group = group
         self.ranks = ranks
         self.failure: str | None = None      # once a step fails the ranks are out of lockstep: every later one fails
+        self.stopping = threading.Event()    # set before a deliberate stop: ranks exiting then are no failure
 
     @property
     def device(self) -> torch.device:
@@ -107,24 +157,50 @@ class DeviceGroup:
     def execute_partitions(self, batches: Sequence[StepBatch]) -> torch.Tensor:
         """One step on every rank, batches[d] on data-parallel rank d; the sampled logits of every batch, in
         batch order."""
+        if self.failure is None and self.ranks is not None:
+            self.failure = self.ranks.died() or None
         if self.failure is not None:
-            raise RuntimeError(f"the ranks stopped stepping together after an earlier failure: {self.failure}")
+            raise RanksLostError(self.failure)
         try:
             self.group.send(list(batches))
             return run_step(self.runner, self.group, batches)
         except Exception as exc:
-            self.failure = f"{type(exc).__name__}: {exc}"
-            raise
+            log.error("a step failed on rank 0 (%s: %s); the ranks can no longer step together",
+                      type(exc).__name__, exc)
+            self.failure = self.lost_rank() or ("the ranks stopped stepping together: a step failed on rank 0 or a "
+                                                "peer rank (the server's log says why)")
+            raise RanksLostError(self.failure) from exc
+
+    def lost_rank(self) -> str:
+        """After a failed step: the spawned rank that died, waiting briefly (a killed peer's connection can break
+        a moment before its exit is visible), or '' when every spawned rank still runs."""
+        if self.ranks is None:
+            return ""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not (message := self.ranks.died()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return message
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Call on_lost(message) once when a spawned rank dies while serving (torchrun's ranks are not this
+        process's children: their death shows as a failed step)."""
+        if self.ranks is not None:
+            self.ranks.watch(on_lost, self.stopping)
 
     def shutdown(self) -> None:
-        """Stop every rank (they free their pools and exit), then free this rank's."""
+        """Stop every rank (they free their pools and exit), then free this rank's. After a failure the ranks
+        still alive wait for a step that never comes: they are terminated at once."""
+        self.stopping.set()
         if self.failure is None:
             try:
                 self.group.send(STOP)
             except RuntimeError as exc:      # a rank is gone already
                 log.warning("stopping the ranks: %s", exc)
-        if self.ranks is not None:
+                self.failure = str(exc)
+        if self.ranks is not None and self.failure is None:
             self.ranks.stop()
+        elif self.ranks is not None:
+            self.ranks.kill()
         self.group.close()
         self.runner.shutdown()
 

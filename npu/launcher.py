@@ -268,7 +268,7 @@ def open_backend(rc: RuntimeConfig, place: RankPlace | None = None, local_index:
     With several ranks each process opens only its own device, `local_index` on this host."""
     place = place or RankPlace.single()
     device = rc.device if place.world == 1 else dataclasses.replace(rc.device, count=1)
-    backend = select_backend(device, local_index)
+    backend = select_backend(device, local_index, ranks_on_host=place.world)
     check_weights_fit(rc, backend, place)
     return backend
 

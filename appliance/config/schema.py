@@ -100,7 +100,7 @@ class DeviceConfig:
     count: Optional[int] = None
     memory_bytes_per_device: Optional[int] = None
     cpu_memory_bytes: Optional[int] = None  # auto falling back to the host CPU: its budget (null = MemAvailable)
-    cpu_threads: Optional[int] = None      # torch intra-op threads when the host CPU is the device (null = torch default)
+    cpu_threads: Optional[int] = None      # torch intra-op threads when the host CPU is the device (null = one per idle core)
     non_torch_margin_bytes: int = 0        # per device, kept for memory outside torch's allocator (collectives, workspaces)
     offline: bool = False                  # planning profile: no device is touched
 

@@ -74,7 +74,7 @@ class DeviceSettings:
     count: int | None = None
     memory_bytes_per_device: int | None = None
     cpu_memory_bytes: int | None = None    # auto falling back to the host CPU: its budget (None = MemAvailable)
-    cpu_threads: int | None = None         # torch intra-op threads on the host CPU (None = torch default)
+    cpu_threads: int | None = None         # torch intra-op threads on the host CPU (None = one per idle core)
     non_torch_margin_bytes: int = 0        # per device, kept for memory outside torch's allocator (planner docstring)
     offline: bool = False                  # planning profile: no device is touched
 

@@ -35,7 +35,7 @@ from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
 from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
 from npu.backends import Backend
-from npu.device_group import start_ranks
+from npu.device_group import RanksLostError, start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler
 from npu.step import SeqStep, StepBatch
@@ -86,6 +86,9 @@ class Engine:
         self.steps = 0
         self._preflight: Preflight | None = None
         self._stats = StatsRecorder()
+        # Set once the device plane is lost for good (a rank died): every request fails with it, none is admitted.
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None   # told once, first (a server: health NOT_SERVING, exit)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
@@ -133,6 +136,8 @@ class Engine:
                                      num_partitions=self.rc.parallel.data_parallel_size)
             manager.initialize_from_plan(report.plan)
             self._runner, self.kv_cache_manager = runner, manager
+            if hasattr(runner, "watch"):               # spawned ranks: a dead one is noticed while idle too
+                runner.watch(self._device_lost)
             self._sampler = Sampler(runner.device, self.rc.seed)
             self.scheduler = Scheduler(self.rc, manager)
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which re-raises it on the caller's thread
@@ -159,6 +164,18 @@ class Engine:
         self._inbox.put(("flush", flushed))
         flushed.wait(5)
 
+    def _device_lost(self, message: str) -> None:
+        """The ranks can step together no more (any thread): record it, tell on_failure once (before any request
+        hears of it, so a front end already reports the engine failed), and wake the loop to fail every request."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+        log.error("the engine stops: %s", message)
+        if self.on_failure is not None:
+            self.on_failure(message)
+        self._inbox.put(("wake", None))
+
     def shutdown(self) -> None:
         self._draining = True
         self._stop.set()
@@ -172,6 +189,8 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        if self.failure is not None:
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self.report is None or self._draining:
             raise EngineUnavailableError("the engine is starting" if self.report is None else "the engine is draining")
         prompt_ids = validate_request(request_id, prompt, params, self.limits, self.tokenizer.encode)
@@ -179,6 +198,8 @@ class Engine:
         seq = Sequence(request_id, prompt_ids, params, on_output or handle.outputs.put)
         handle.seq = seq
         with self._lock:
+            if self.failure is not None:       # checked under the lock that _device_lost sets it under
+                raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
             if request_id in self._in_flight:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")
             if len(self._in_flight) >= self.rc.max_waiting_requests + self.rc.max_num_seqs:
@@ -230,7 +251,7 @@ class Engine:
         self.backend.set_device(RUNNER_DEVICE)
         sched = self.scheduler
         by_id: dict[str, Sequence] = {}
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.failure is None:
             self._publish_stats()
             if sched.has_work():
                 try:
@@ -251,15 +272,26 @@ class Engine:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
                     kind = None
-            if self._stop.is_set():
+            if self._stop.is_set() or self.failure is not None:
                 break
             scheduled = sched.schedule()
             if not scheduled:
                 continue
             for seq in self._run_step(scheduled):
                 by_id.pop(seq.request_id, None)
+        if self.failure is not None:          # requests still in the inbox: none can be added after the failure
+            while not self._inbox.empty():
+                kind, item = self._inbox.get_nowait()
+                if kind == "add":
+                    by_id[item.request_id] = item
+                    sched.add(item)
+                elif kind == "flush":
+                    item.set()
         for seq in list(by_id.values()):
+            seq.error = self.failure
             self._finish(seq, FinishReason.ABORTED)
+        if self.failure is not None:
+            self._publish_stats()
 
     def _run_step(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
         """Run one step; a failing step is retried one sequence at a time so a bad request fails alone.
@@ -270,6 +302,9 @@ class Engine:
         new_pages = [kv.take_new_pages(p) for p in range(kv.num_partitions)]
         try:
             return self._execute(scheduled, new_pages)
+        except RanksLostError as exc:         # no retry can run: the loop fails every request and ends
+            self._device_lost(str(exc))
+            return []
         except Exception:
             log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
         finished: list[Sequence] = []
@@ -277,6 +312,9 @@ class Engine:
             try:
                 finished += self._execute([item], new_pages)
                 new_pages = [{} for _ in new_pages]
+            except RanksLostError as exc:
+                self._device_lost(str(exc))
+                return finished
             except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
                 item.seq.error = f"{type(exc).__name__}: {exc}"
                 self._finish(item.seq, FinishReason.ABORTED)

@@ -85,10 +85,12 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _unfinished_error(out: RequestOutput) -> ApiError | None:
-    """Why a finished request has no complete answer: it failed inside the engine, or the server aborted it."""
+def _unfinished_error(out: RequestOutput, engine_stopped: bool) -> ApiError | None:
+    """Why a finished request has no complete answer: it failed inside the engine (503 once the engine itself has
+    stopped, e.g. a rank died: retry elsewhere; else 500), or the server aborted it."""
     if out.error is not None:
-        return ApiError(500, f"the request failed inside the engine: {out.error}", type_="server_error")
+        return ApiError(503 if engine_stopped else 500, f"the request failed inside the engine: {out.error}",
+                        type_="server_error")
     if out.finish_reason == FinishReason.ABORTED:
         return ApiError(503, "the server aborted the request before it finished (it is shutting down); the text "
                              "is incomplete: retry", type_="service_unavailable", code="request_aborted")
@@ -145,10 +147,14 @@ class OpenAIRoutes:
             return Response(status_code=499)
         text, last = collect.result()
         self._log_finished(last)
-        failure = _unfinished_error(last)
+        failure = _unfinished_error(last, self._engine_stopped())
         if failure is not None:
             raise failure
         return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
+
+    def _engine_stopped(self) -> bool:
+        """The engine itself has stopped (a rank died), not just this request."""
+        return getattr(self.server, "failure", None) is not None
 
     @staticmethod
     async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
@@ -169,7 +175,7 @@ class OpenAIRoutes:
                 finished = out.finished or out.error is not None
                 if out.new_text:
                     yield _sse(shape.chunk(out.new_text, None, include_usage))
-                failure = _unfinished_error(out) if finished else None
+                failure = _unfinished_error(out, self._engine_stopped()) if finished else None
                 if failure is not None:           # the openai client raises APIError on an error event
                     yield _sse(failure.body())
                 elif finished:

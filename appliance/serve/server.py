@@ -61,6 +61,7 @@ from appliance.serve.tls import load_tls_pair
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
+EXIT_ENGINE_FAILED = 1       # the engine stopped while serving (a rank died): a service manager restarts it
 FLUSH_GRACE_S = 2.0          # after the drain: time for the last messages of finished streams to go out
 SHUTDOWN_TAIL_S = 2.0        # after server.grace_period_s: abort the rest, flush, stop both front ends and the engine
 FRONT_ENDS_STOP_S = 0.8      # of the tail: stopping gRPC and HTTP (the last messages go out meanwhile)
@@ -118,6 +119,9 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                     finished = True
                     if out.new_token_ids or out.new_text:
                         yield generate_response(RequestOutput(out.request_id, out.new_token_ids, out.new_text))
+                    if getattr(srv.engine, "failure", None) is not None:     # the engine stopped (a rank died)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {out.error}; "
+                                            f"the server is shutting down (retry after it restarts)")
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"request {request_id} failed inside the engine: {out.error}")
                 yield generate_response(out)
@@ -177,7 +181,8 @@ class ApplianceServer:
         self.rc = rc
         self.engine = engine
         self.output_dir = output_dir                 # where startup_report.json goes (the Hydra job dir)
-        self.state = "starting"                      # starting | serving | draining | stopped
+        self.state = "starting"                      # starting | serving | failed | draining | stopped
+        self.failure: str | None = None              # why the engine stopped while serving: the process exits 1
         self.report: StartupReport | None = None
         self.startup_message: pb.StartupResponse | None = None
         self.start_error: BaseException | None = None
@@ -194,6 +199,8 @@ class ApplianceServer:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         self.http = HttpFrontEnd(self) if rc.server.http_port is not None else None   # OpenAI-compatible HTTP
+        if hasattr(engine, "on_failure"):
+            engine.on_failure = self._engine_failed
 
     @property
     def address(self) -> str:
@@ -203,6 +210,18 @@ class ApplianceServer:
         """Thread-safe: begin the graceful shutdown (what SIGTERM/SIGINT do)."""
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _engine_failed(self, message: str) -> None:
+        """Engine thread: the engine stopped for good (a rank died). Health NOT_SERVING at once, then the usual
+        shutdown (the ranks stopped), and `serve` exits non-zero so a service manager restarts the server."""
+        def fail() -> None:
+            self.failure, self.state = message, "failed"
+            print(f"error: the engine stopped: {message}; shutting down", file=sys.stderr, flush=True)
+            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+            self._stop.set()
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(fail)
 
     async def run(self, install_signal_handlers: bool = False) -> dict[str, Any]:
         self._loop = asyncio.get_running_loop()
@@ -235,6 +254,8 @@ class ApplianceServer:
         await self._on_started(start.result())
         await stop
         await self._shutdown()
+        if self.failure is not None:
+            return {"status": "failed", "mode": "serve", "address": self.address, "reason": self.failure}
         return {"status": "ok", "mode": "serve", "address": self.address,
                 "capacity_slots": self.report.capacity_slots}
 
@@ -379,7 +400,7 @@ class ApplianceServer:
         grace = self.rc.server.grace_period_s
         deadline = self._loop.time() + grace + SHUTDOWN_TAIL_S - EXIT_RESERVE_S
         print(f"shutting down: health NOT_SERVING, draining for up to {grace} s", flush=True)
-        self.state = "draining"
+        self.state = "failed" if self.failure is not None else "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         drained = await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
         if not drained:                          # the engine could not finish the streams in time: end them here
@@ -414,4 +435,7 @@ def serve(rc: RuntimeConfig, engine: Any = None, output_dir: Path | None = None)
     engine.prepare()
     result = asyncio.run(server.run(install_signal_handlers=True))
     sys.stdout.flush()
+    if server.failure is not None:       # exit 1 at once: the process group of the lost ranks has no clean teardown
+        from npu.ranks import leave_process
+        leave_process(EXIT_ENGINE_FAILED)
     return result

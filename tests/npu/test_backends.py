@@ -260,7 +260,7 @@ def test_the_loop_thread_launches_and_steps_with_the_npu_current(monkeypatch):
                               "device.non_torch_margin_bytes=0"])
     runtime.devices[0].allocated = 8 * MiB       # the "weights": what the profile's peak starts from
     monkeypatch.setattr("npu.launcher.select_backend",
-                        lambda device, first=0: NpuOnCpu(memory_bytes_per_device=64 * MiB))
+                        lambda device, first=0, ranks_on_host=1: NpuOnCpu(memory_bytes_per_device=64 * MiB))
     engine = Engine(rc)
     starter = threading.Thread(target=engine.start, name="engine-start")
     starter.start()
