@@ -17,6 +17,17 @@ class SeqStep:
     # entries indexed by slot = logical_page % max_blocks_per_seq; -1 where no page is held.
     block_tables: dict[str, list[int]]
     sample: bool = True                # logits of the last token are needed (False for a non-final prefill chunk)
+    # Logits of every token of this step, not only the last (a request that asked for prompt logprobs).
+    all_logits: bool = False
+
+
+def logits_offsets(seq: SeqStep) -> range:
+    """Which of seq's tokens in this step the runner returns logits for, in order: all of them (all_logits), the
+    last (sample), or none. A runner's logits are these rows of every sequence, in batch order."""
+    n = len(seq.token_ids)
+    if seq.all_logits:
+        return range(n)
+    return range(n - 1, n) if seq.sample else range(0)
 
 
 @dataclass

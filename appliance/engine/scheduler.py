@@ -131,7 +131,8 @@ class Scheduler:
             running[where(seq.request_id)] += 1
         while self.waiting and any(running[p] < self.limits.max_seqs and budget[p] > 0 for p in range(parts)):
             seq = self.waiting[0]
-            if self.enable_prefix_caching:
+            # A request that asked for prompt logprobs computes every prompt position (a cache hit would skip them).
+            if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 cached = self.kv.match_prefix(seq.request_id, seq.token_ids)   # places it on a partition too
             else:
                 cached = 0
