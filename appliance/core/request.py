@@ -65,6 +65,7 @@ class RequestOutput:
     # On the first delta of a request that asked for prompt logprobs: one per prompt token, None for the first
     # (nothing precedes it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None    # with prompt_logprobs (its first entry has no token)
 
     @property
     def finished(self) -> bool:

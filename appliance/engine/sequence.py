@@ -87,4 +87,5 @@ class Sequence:
         self.on_output(RequestOutput(
             request_id=self.request_id, new_token_ids=tuple(new_token_ids), new_text=new_text,
             finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if prompt_logprobs is None else tuple(self.prompt_token_ids)))

@@ -24,7 +24,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Iterator, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -52,8 +52,11 @@ from appliance.serve.openai_api import (
     REQUEST_FIELDS,
     ApiError,
     ChatCompletionRequest,
+    Collected,
     CompletionRequest,
     ResponseShape,
+    chat_logprobs,
+    completion_logprobs,
     field_path,
     finish_reason,
     invalid,
@@ -123,9 +126,13 @@ class OpenAIRoutes:
         except EngineUnavailableError as exc:
             raise ApiError(503, f"engine unavailable: {exc}", type_="service_unavailable") from None
 
-    async def _respond(self, http: Request, stream: RequestStream, shape: ResponseShape, body: Any) -> Response:
+    async def _respond(self, http: Request, stream: RequestStream, shape: ResponseShape, body: Any,
+                       render: Callable[[Collected], tuple[str, dict[str, Any] | None]],
+                       delta_logprobs: Callable[[RequestOutput], dict[str, Any] | None]) -> Response:
+        """Stream the deltas (each chunk with its tokens' logprobs from delta_logprobs), or answer once with the
+        text and logprobs `render` makes of the whole request."""
         if body.stream:
-            return StreamingResponse(self._events(stream, shape, body.include_usage),
+            return StreamingResponse(self._events(stream, shape, body.include_usage, delta_logprobs),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
         collect = asyncio.ensure_future(self._collect(stream))
         gone = asyncio.ensure_future(_until_disconnected(http))
@@ -138,23 +145,26 @@ class OpenAIRoutes:
                 stream.abort()
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
-        text, last = collect.result()
+        collected, last = collect.result()
         self._log_finished(last)
         failure = _unfinished_error(last)
         if failure is not None:
             raise failure
-        return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
+        text, logprobs = render(collected)
+        return JSONResponse(shape.full(text, finish_reason(last), last.usage, logprobs),
+                            headers={"x-request-id": shape.id})
 
     @staticmethod
-    async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
-        parts = []
+    async def _collect(stream: RequestStream) -> tuple[Collected, RequestOutput]:
+        collected = Collected()
         while True:
             out = await stream.next_output()
-            parts.append(out.new_text)
+            collected.add(out)
             if out.finished or out.error is not None:
-                return "".join(parts), out
+                return collected, out
 
-    async def _events(self, stream: RequestStream, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, shape: ResponseShape, include_usage: bool,
+                      delta_logprobs: Callable[[RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
         finished = False
         try:
             if shape.kind == "chat":
@@ -162,8 +172,9 @@ class OpenAIRoutes:
             while not finished:
                 out = await stream.next_output()
                 finished = out.finished or out.error is not None
-                if out.new_text:
-                    yield _sse(shape.chunk(out.new_text, None, include_usage))
+                logprobs = delta_logprobs(out) if out.new_token_ids else None
+                if out.new_text or logprobs is not None:
+                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs))
                 failure = _unfinished_error(out) if finished else None
                 if failure is not None:           # the openai client raises APIError on an error event
                     yield _sse(failure.body())
@@ -192,8 +203,35 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         prompt = body.single_prompt()
         params = body.sampling_params(default_max_tokens=16)
-        stream = await self._open(request_id, prompt, params, {"prompt": "prompt"})
-        return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body)
+        stream = await self._open(request_id, prompt, params,
+                                  {"prompt": "prompt", "logprobs": "logprobs", "prompt_logprobs": "logprobs"})
+        token_text = self._token_text
+        offset = 0
+
+        def delta_logprobs(out: RequestOutput) -> dict[str, Any] | None:
+            nonlocal offset
+            if body.logprobs is None:
+                return None
+            part = completion_logprobs(out.logprobs or (), out.new_token_ids, token_text, offset)
+            offset += sum(len(t) for t in part["tokens"])
+            return part
+
+        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
+            text, ids, entries = got.text, list(got.token_ids), list(got.logprobs)
+            if body.echo_only:
+                text, ids, entries = "", [], []
+            if body.echo:
+                text = (prompt if isinstance(prompt, str) else self.server.engine.tokenizer.decode(prompt)) + text
+                ids, entries = [*got.prompt_token_ids, *ids], [*got.prompt_logprobs, *entries]
+            if body.logprobs is None:
+                return text, None
+            return text, completion_logprobs(entries, ids, token_text)
+        return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body,
+                                   render, delta_logprobs)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text alone (special tokens included)."""
+        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_serving(body.model)
@@ -225,8 +263,16 @@ class OpenAIRoutes:
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        stream = await self._open(request_id, ids, params, renamed)
-        return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body)
+        stream = await self._open(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"})
+        num_top = body.top_logprobs or 0
+
+        def delta_logprobs(out: RequestOutput) -> dict[str, Any] | None:
+            return chat_logprobs(out.logprobs, num_top, self._token_text) if out.logprobs is not None else None
+
+        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
+            return got.text, chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None
+        return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body,
+                                   render, delta_logprobs)
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,

@@ -20,8 +20,11 @@ def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     the event loop falls behind the engine (the concatenation of deltas stays the same)."""
     while not out.finished and out.error is None and not queue.empty():
         nxt = queue.get_nowait()
+        logprobs = None if out.logprobs is None and nxt.logprobs is None else (out.logprobs or ()) + (nxt.logprobs or ())
+        first = out if out.prompt_logprobs is not None else nxt
         out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
-                            nxt.finish_reason, nxt.usage, nxt.error)
+                            nxt.finish_reason, nxt.usage, nxt.error, logprobs, first.prompt_logprobs,
+                            first.prompt_token_ids)
     return out
 
 
