@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (server-sent events when "stream": true)
     GET  /v1/models, GET /health (200 only while serving), GET /metrics (Prometheus)
+    POST /tokenize, POST /detokenize                  (vLLM's shapes)
 
 Why in-process on the gRPC server's event loop: one engine, one wait queue and one lifecycle for both front
 ends (starting -> serving -> draining), so limits, health and shutdown agree. The same rules as gRPC: the
@@ -54,7 +55,9 @@ from appliance.serve.openai_api import (
     ChatCompletionRequest,
     Collected,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseShape,
+    TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
     field_path,
@@ -236,29 +239,9 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_serving(body.model)
         request_id = _request_id(http)
-        if self.chat_template is None:
-            raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
-                                      f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
         srv = self.server
-        limits: RequestLimits = srv.engine.limits
-        # Cheap checks first, so that a huge or many-message chat is refused before it is rendered or tokenized.
-        kwargs = body.template_kwargs()
-        body.refuse_messages_too_long(limits.max_prompt_bytes)
-        body.refuse_invalid_unicode()
-        messages = [m.template_value(i) for i, m in enumerate(body.messages)]
         renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
-
-        def render_and_encode() -> list[int]:          # on the executor: rendering and tokenizing take time
-            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                             tools=body.tools, **kwargs)
-            validate_prompt_text(text, limits)        # the rendered chat is bounded like a prompt
-            return srv.engine.tokenizer.encode(text)
-        try:
-            ids = await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
-        except ChatTemplateError as exc:
-            raise invalid("messages", str(exc)) from None
-        except RequestError as exc:
-            raise _request_error(exc, renamed) from None
+        ids = await self._chat_ids(body, renamed)
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
@@ -273,6 +256,63 @@ class OpenAIRoutes:
             return got.text, chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None
         return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body,
                                    render, delta_logprobs)
+
+    async def _chat_ids(self, body: ChatCompletionRequest, renamed: dict[str, str],
+                        encode: Callable[[str], list[int]] | None = None) -> list[int]:
+        """The chat rendered with the checkpoint's template and tokenized (by `encode`, default the engine's)."""
+        if self.chat_template is None:
+            raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
+                                      f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
+        srv = self.server
+        limits: RequestLimits = srv.engine.limits
+        encode = encode or srv.engine.tokenizer.encode
+        # Cheap checks first, so that a huge or many-message chat is refused before it is rendered or tokenized.
+        kwargs = body.template_kwargs()
+        body.refuse_messages_too_long(limits.max_prompt_bytes)
+        body.refuse_invalid_unicode()
+        messages = [m.template_value(i) for i, m in enumerate(body.messages)]
+
+        def render_and_encode() -> list[int]:          # on the executor: rendering and tokenizing take time
+            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tools=body.tools, **kwargs)
+            validate_prompt_text(text, limits)        # the rendered chat is bounded like a prompt
+            return encode(text)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
+        except ChatTemplateError as exc:
+            raise invalid("messages", str(exc)) from None
+        except RequestError as exc:
+            raise _request_error(exc, renamed) from None
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs (each token's text, when asked)}."""
+        self._check_serving(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either prompt or messages")
+        tokenizer = self.server.engine.tokenizer
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_bos=True) if body.add_special_tokens else tokenizer.encode(text)
+        if body.prompt is not None:
+            limits: RequestLimits = self.server.engine.limits
+            try:
+                validate_prompt_text(body.prompt, limits)
+            except RequestError as exc:
+                raise _request_error(exc, {}) from None
+            ids = await asyncio.get_running_loop().run_in_executor(self.server.executor, encode, body.prompt)
+        else:
+            ids = await self._chat_ids(body.chat(), {"prompt": "messages"}, encode)
+        return {"count": len(ids), "max_model_len": self.server.rc.max_model_len, "tokens": ids,
+                "token_strs": [self._token_text(i) for i in ids] if body.return_token_strs else None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: {prompt: the tokens' text}."""
+        self._check_serving(body.model)
+        vocab = self.server.engine.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return {"prompt": self.server.engine.tokenizer.decode(body.tokens)}
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
@@ -294,6 +334,13 @@ def _request_error(exc: RequestError, renamed: dict[str, str]) -> ApiError:
 def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -> ApiError:
     """FastAPI's validation errors as one 400: malformed JSON says so; otherwise the deepest error (the union
     member the client most likely meant) names its field as written, with what was expected there."""
+    unknown = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+    if unknown is not None:
+        where = tuple(unknown.get("loc", ()))[1:]
+        param = field_path(where[:-1], names)
+        param = f"{param}.{where[-1]}" if param else str(where[-1])
+        return ApiError(400, f"{param}: not supported by this server (the field is refused, not ignored: remove it)",
+                        param=param)
     if errors and errors[0].get("type") == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
         where = errors[0].get("loc", ())[-1]
@@ -357,6 +404,8 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
     app.get("/v1/models")(routes.models)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     app.get("/health")(routes.health)
 
     @app.get("/metrics")

@@ -91,11 +91,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-class StreamOptions(_Strict):
+class _Request(_Strict):
+    """A request body: a field the server does not declare is refused, naming it (never silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -267,9 +273,34 @@ class ChatCompletionRequest(_Sampling):
                 raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt (as /v1/completions tokenizes it), or chat messages (rendered as
+    /v1/chat/completions renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_at_most_messages)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False   # True: the BOS token first (neither completions route adds it to a prompt)
+    return_token_strs: bool = False
+
+    def chat(self) -> "ChatCompletionRequest":
+        """The messages as a chat request, so they are checked and rendered exactly as chat completions are."""
+        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models, to tell them from union members in pydantic error locations."""
-    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions]
+    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
+                                     TokenizeRequest, DetokenizeRequest]
     return frozenset(name for model in models for name in model.model_fields)
 
 
