@@ -44,6 +44,7 @@ from appliance.core.request import (
     RequestLimits,
     RequestOutput,
     SamplingParams,
+    Usage,
     validate_prompt_text,
 )
 from appliance.serve.auth import bearer_token_matches
@@ -59,13 +60,14 @@ from appliance.serve.openai_api import (
     ResponseShape,
     TokenizeRequest,
     chat_logprobs,
+    choices_usage,
     completion_logprobs,
     field_path,
     finish_reason,
     invalid,
     request_field_names,
 )
-from appliance.serve.streams import RequestStream, open_stream
+from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
 
 
 class ServingState(Protocol):
@@ -129,15 +131,36 @@ class OpenAIRoutes:
         except EngineUnavailableError as exc:
             raise ApiError(503, f"engine unavailable: {exc}", type_="service_unavailable") from None
 
-    async def _respond(self, http: Request, stream: RequestStream, shape: ResponseShape, body: Any,
+    async def _open_choices(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                            renamed: dict[str, str], n: int) -> list[RequestStream]:
+        """n engine requests of one prompt. With n > 1 the first is submitted alone and the rest once its first token
+        is out: its prompt's full KV pages are then in the prefix cache, and the others read them from there
+        instead of computing them again. Choice i samples with seed + i (when a seed is given)."""
+        if n == 1:
+            return [await self._open(request_id, prompt, params, renamed)]
+        streams: list[RequestStream] = []
+        try:
+            streams.append(await self._open(f"{request_id}-0", prompt, params, renamed))
+            streams[0] = ReplayedStream(streams[0], await streams[0].next_output())
+            for i in range(1, n):
+                seed = None if params.seed is None else (params.seed + i) % 2**64
+                streams.append(await self._open(f"{request_id}-{i}", prompt, dataclasses.replace(params, seed=seed),
+                                                renamed))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    async def _respond(self, http: Request, streams: list[RequestStream], shape: ResponseShape, body: Any,
                        render: Callable[[Collected], tuple[str, dict[str, Any] | None]],
-                       delta_logprobs: Callable[[RequestOutput], dict[str, Any] | None]) -> Response:
-        """Stream the deltas (each chunk with its tokens' logprobs from delta_logprobs), or answer once with the
-        text and logprobs `render` makes of the whole request."""
+                       delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> Response:
+        """Stream the deltas of every choice (each chunk with its tokens' logprobs from delta_logprobs), or answer
+        once with the text and logprobs `render` makes of each whole choice."""
         if body.stream:
-            return StreamingResponse(self._events(stream, shape, body.include_usage, delta_logprobs),
+            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
-        collect = asyncio.ensure_future(self._collect(stream))
+        collect = asyncio.ensure_future(asyncio.gather(*(self._collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_until_disconnected(http))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -145,16 +168,19 @@ class OpenAIRoutes:
             gone.cancel()
             if not collect.done():          # the client went away (or the server stops): free the blocks
                 collect.cancel()
-                stream.abort()
+                for stream in streams:
+                    stream.abort()
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
-        collected, last = collect.result()
-        self._log_finished(last)
-        failure = _unfinished_error(last)
+        results = collect.result()
+        for _, last in results:
+            self._log_finished(last)
+        failure = next((f for f in (_unfinished_error(last) for _, last in results) if f is not None), None)
         if failure is not None:
             raise failure
-        text, logprobs = render(collected)
-        return JSONResponse(shape.full(text, finish_reason(last), last.usage, logprobs),
+        choices = [(*render(collected), finish_reason(last)) for collected, last in results]
+        return JSONResponse(shape.full_choices([(text, reason, lp) for text, lp, reason in choices],
+                                               choices_usage([last.usage for _, last in results])),
                             headers={"x-request-id": shape.id})
 
     @staticmethod
@@ -166,31 +192,50 @@ class OpenAIRoutes:
             if out.finished or out.error is not None:
                 return collected, out
 
-    async def _events(self, stream: RequestStream, shape: ResponseShape, include_usage: bool,
-                      delta_logprobs: Callable[[RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
-        finished = False
+    async def _events(self, streams: list[RequestStream], shape: ResponseShape, include_usage: bool,
+                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
+        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished."""
+        merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            while True:
+                out = await stream.next_output()
+                merged.put_nowait((index, out))
+                if out.finished or out.error is not None:
+                    return
+        pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        running = set(range(len(streams)))
+        usages: list[Usage | None] = [None] * len(streams)
         try:
             if shape.kind == "chat":
-                yield _sse(shape.chunk("", None, include_usage, role=True))
-            while not finished:
-                out = await stream.next_output()
+                for i in range(len(streams)):
+                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i))
+            while running:
+                i, out = await merged.get()
                 finished = out.finished or out.error is not None
-                logprobs = delta_logprobs(out) if out.new_token_ids else None
+                logprobs = delta_logprobs(i, out) if out.new_token_ids else None
                 if out.new_text or logprobs is not None:
-                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs))
-                failure = _unfinished_error(out) if finished else None
+                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i))
+                if not finished:
+                    continue
+                running.discard(i)
+                usages[i] = out.usage
+                self._log_finished(out)
+                failure = _unfinished_error(out)
                 if failure is not None:           # the openai client raises APIError on an error event
                     yield _sse(failure.body())
-                elif finished:
-                    yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage))
-                    if include_usage:
-                        yield _sse(shape.usage_chunk(out.usage))
-                if finished:
-                    self._log_finished(out)
+                    include_usage = False
+                    break
+                yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage,
+                                       index=i))
+            if include_usage:
+                yield _sse(shape.usage_chunk(choices_usage(usages)))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:      # the client disconnected (the response task was cancelled): free the blocks
-                stream.abort()
+            for pump_task in pumps:
+                pump_task.cancel()
+            for i in running:        # the client disconnected, or a choice failed: free the others' blocks
+                streams[i].abort()
 
     @staticmethod
     def _log_finished(out: RequestOutput) -> None:
@@ -206,17 +251,16 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         prompt = body.single_prompt()
         params = body.sampling_params(default_max_tokens=16)
-        stream = await self._open(request_id, prompt, params,
-                                  {"prompt": "prompt", "logprobs": "logprobs", "prompt_logprobs": "logprobs"})
+        streams = await self._open_choices(request_id, prompt, params, {"prompt": "prompt", "logprobs": "logprobs",
+                                                                        "prompt_logprobs": "logprobs"}, body.n)
         token_text = self._token_text
-        offset = 0
+        offsets = [0] * body.n
 
-        def delta_logprobs(out: RequestOutput) -> dict[str, Any] | None:
-            nonlocal offset
+        def delta_logprobs(index: int, out: RequestOutput) -> dict[str, Any] | None:
             if body.logprobs is None:
                 return None
-            part = completion_logprobs(out.logprobs or (), out.new_token_ids, token_text, offset)
-            offset += sum(len(t) for t in part["tokens"])
+            part = completion_logprobs(out.logprobs or (), out.new_token_ids, token_text, offsets[index])
+            offsets[index] += sum(len(t) for t in part["tokens"])
             return part
 
         def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
@@ -229,7 +273,7 @@ class OpenAIRoutes:
             if body.logprobs is None:
                 return text, None
             return text, completion_logprobs(entries, ids, token_text)
-        return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body,
+        return await self._respond(http, streams, ResponseShape("completion", request_id, self.model), body,
                                    render, delta_logprobs)
 
     def _token_text(self, token_id: int) -> str:
@@ -246,15 +290,15 @@ class OpenAIRoutes:
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        stream = await self._open(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"})
+        streams = await self._open_choices(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"}, body.n)
         num_top = body.top_logprobs or 0
 
-        def delta_logprobs(out: RequestOutput) -> dict[str, Any] | None:
+        def delta_logprobs(_: int, out: RequestOutput) -> dict[str, Any] | None:
             return chat_logprobs(out.logprobs, num_top, self._token_text) if out.logprobs is not None else None
 
         def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
             return got.text, chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None
-        return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body,
+        return await self._respond(http, streams, ResponseShape("chat", request_id, self.model), body,
                                    render, delta_logprobs)
 
     async def _chat_ids(self, body: ChatCompletionRequest, renamed: dict[str, str],

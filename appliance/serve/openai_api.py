@@ -4,7 +4,7 @@ Requests are pydantic models (FastAPI validates the JSON against them; unknown f
 OpenAI-compatible servers do), strict where the OpenAI spec is strict: `"stream": "yes"` or `"max_tokens": true`
 is a 400, not a guess (an integer is still accepted where a number is expected); responses are plain dicts in
 the documented OpenAI shapes. Parameters the
-engine cannot honour (n > 1, penalties, logit_bias, suffix, echo with stream) are refused with a 400 naming the
+engine cannot honour (penalties, logit_bias, suffix, echo with stream, best_of) are refused with a 400 naming the
 field rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
@@ -38,6 +38,8 @@ REQUEST_FIELDS = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
 # Documented request limit (README "Request limits"): more messages are refused before any is validated or
 # rendered, so a body of many tiny messages costs the event loop no more than parsing it.
 MAX_CHAT_MESSAGES = 4096
+# Documented request limit: choices per request (n); each is an engine request, bounded by the wait queue too.
+MAX_CHOICES = 128
 
 
 class ApiError(Exception):
@@ -122,8 +124,8 @@ class _Sampling(_Request):
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise invalid("n", f"{self.n}: this server returns one choice per request (n=1)")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise invalid("n", f"{self.n} must be in [1, {MAX_CHOICES}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise invalid(name, "penalties are not supported (send 0)")
@@ -306,6 +308,14 @@ def request_field_names() -> frozenset[str]:
 
 # -- responses ---------------------------------------------------------------------------------------
 
+def choices_usage(usages: Sequence[Usage | None]) -> Usage | None:
+    """The usage of n choices of one prompt: the prompt counted once (with its first choice's cache hit), every
+    choice's completion tokens."""
+    if any(u is None for u in usages):
+        return None
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_prompt_tokens)
+
+
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
@@ -385,29 +395,35 @@ class ResponseShape:
 
     def full(self, text: str, reason: str | None, usage: Usage | None,
              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The non-streaming response."""
+        """The non-streaming response of one choice."""
+        return self.full_choices([(text, reason, logprobs)], usage)
+
+    def full_choices(self, choices: list[tuple[str, str | None, dict[str, Any] | None]],
+                     usage: Usage | None) -> dict[str, Any]:
+        """The non-streaming response: (text, finish reason, logprobs) of each choice, in index order."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
+            body = self._envelope("chat.completion", [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)])
         else:
-            body = self._envelope("text_completion",
-                                  [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+            body = self._envelope("text_completion", [
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                for i, (text, reason, logprobs) in enumerate(choices)])
         body["usage"] = usage_body(usage)
         return body
 
     def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One streamed chunk; with include_usage every chunk but the last carries usage null."""
+              logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        """One streamed chunk of choice `index`; with include_usage every chunk but the last carries usage null."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             body = self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+                                  [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
         else:
-            body = self._envelope("text_completion",
-                                  [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
+            body = self._envelope("text_completion", [
+                {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
         if include_usage:
             body["usage"] = None
         return body

@@ -43,6 +43,20 @@ class RequestStream:
         self.handle.abort()
 
 
+class ReplayedStream(RequestStream):
+    """A stream whose first delta was already read (to know the request got going): it is given out again first."""
+
+    def __init__(self, stream: RequestStream, first: RequestOutput):
+        super().__init__(stream.handle, stream._queue)
+        self._first: RequestOutput | None = first
+
+    async def next_output(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        return await super().next_output()
+
+
 async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: str | list[int],
                       params: SamplingParams) -> RequestStream:
     """engine.submit off the event loop. Raises what submit raises (RequestError, QueueFullError,
