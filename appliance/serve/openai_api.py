@@ -1,11 +1,11 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's types.
 
-Requests are pydantic models (FastAPI validates the JSON against them; unknown fields are ignored, as
-OpenAI-compatible servers do), strict where the OpenAI spec is strict: `"stream": "yes"` or `"max_tokens": true`
-is a 400, not a guess (an integer is still accepted where a number is expected); responses are plain dicts in
-the documented OpenAI shapes. Parameters the
-engine cannot honour (penalties, logit_bias, suffix, echo with stream, best_of) are refused with a 400 naming the
-field rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+Requests are pydantic models (FastAPI validates the JSON against them), strict where the OpenAI spec is strict:
+`"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer is still accepted where a number is
+expected); responses are plain dicts in the documented OpenAI shapes. A top-level field the models do not declare
+(`best_of`, `response_format`, `tool_choice`, a typo) is a 400 naming it, and declared ones the engine cannot
+honour (penalties, logit_bias, suffix, echo with stream) are refused likewise: nothing is silently ignored (inside
+a chat message, keys other than role, content and name still are). Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
 "raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
