@@ -77,6 +77,8 @@ class _Collector:
         def collect(out: RequestOutput) -> None:      # runs on the engine loop thread
             result.token_ids.extend(out.new_token_ids)
             result.text += out.new_text
+            result.logprobs.extend(out.logprobs or ())
+            result.prompt_logprobs.extend(out.prompt_logprobs or ())
             if out.finished:
                 result.finish_reason, result.usage = out.finish_reason, out.usage
                 if out.error:

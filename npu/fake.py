@@ -15,7 +15,7 @@ from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace
 from npu.backends import Backend, MemoryStats
 from npu.runner import ModelRunner
-from npu.step import StepBatch
+from npu.step import StepBatch, logits_offsets
 
 
 class FakeMemoryProbe:
@@ -101,5 +101,5 @@ class ShapeOnlyRunner(ModelRunner):
         super().allocate_pools(num_blocks, num_scratch)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        n = sum(1 for s in batch.seqs if s.sample)
+        n = sum(len(logits_offsets(s)) for s in batch.seqs)
         return torch.zeros(n, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)

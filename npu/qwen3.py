@@ -41,7 +41,7 @@ from npu.fused_norms import layer_norms
 from npu.linear import Projection
 from npu.paged_attention_cpu import paged_decode_attention
 from npu.runner import ModelRunner
-from npu.step import SeqStep, StepBatch
+from npu.step import SeqStep, StepBatch, logits_offsets
 
 log = logging.getLogger("npu.qwen3")
 
@@ -382,7 +382,7 @@ class _StepMeta:
             rows += [used[p // block_size] * page_stride + p % block_size for p in range(s.start_pos, end)]
             pages += used
             last_row[i] = len(tokens) - 1
-        sample = [last_row[i] for i, s in enumerate(seqs) if s.sample]
+        sample = [last_row[i] - len(s.token_ids) + 1 + k for i, s in enumerate(seqs) for k in logits_offsets(s)]
         n = len(tokens)
         all_rows = len(sample) == n and sample == list(range(n))   # then no index_select at the end
         host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 import torch
 
-from appliance.core.request import SamplingParams
+from appliance.core.request import SamplingParams, TokenLogprob
 
 
 def worst_case_rows(n: int) -> list[tuple[str, SamplingParams]]:
@@ -42,6 +42,34 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.is_floating_point():
         return [i for rows in logits.split(WIDEN_ROWS) for i in numpy.argmax(rows.float().numpy(), axis=-1).tolist()]
     return logits.argmax(dim=-1).tolist()
+
+
+# Rows of logits turned into log-probabilities at a time: a prompt's logprobs need one row per prompt token, and a
+# whole long prompt's [tokens, vocab] float32 block at once would be gigabytes.
+LOGPROB_ROWS = 256
+
+
+@torch.inference_mode()
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Row i: the logprob and rank of token_ids[i] and the num_top[i] most likely tokens under log_softmax(logits[i])
+    (float32, the raw logits: the model's distribution, before temperature or top-k/top-p). Computed where the
+    logits are; only those few numbers per row come to the host, never a vocabulary-wide row."""
+    out: list[TokenLogprob] = []
+    for lo in range(0, len(token_ids), LOGPROB_ROWS):
+        hi = min(lo + LOGPROB_ROWS, len(token_ids))
+        lp = logits[lo:hi].float().log_softmax(dim=-1)
+        ids = torch.tensor(token_ids[lo:hi], device=logits.device)
+        chosen = lp.gather(1, ids[:, None])
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        k = max(num_top[lo:hi])
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
+        chosen_h, ranks_h = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_lp_h, top_ids_h = top_lp.tolist(), top_ids.tolist()
+        for r in range(hi - lo):
+            n = num_top[lo + r]
+            out.append(TokenLogprob(token_ids[lo + r], chosen_h[r], ranks_h[r],
+                                    tuple(zip(top_ids_h[r][:n], top_lp_h[r][:n]))))
+    return out
 
 
 class Sampler:

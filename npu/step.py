@@ -20,6 +20,17 @@ class SeqStep:
     # The request's prompt length (0: not known, taken as the end of this step). DeepSeek V4's indexer ranks a
     # prompt token's candidates over the rows the whole prompt makes, as a one-step prefill does (top-k ties).
     prompt_len: int = 0
+    # Logits of every token of this step, not only the last (a request that asked for prompt logprobs).
+    all_logits: bool = False
+
+
+def logits_offsets(seq: SeqStep) -> range:
+    """Which of seq's tokens in this step the runner returns logits for, in order: all of them (all_logits), the
+    last (sample), or none. A runner's logits are these rows of every sequence, in batch order."""
+    n = len(seq.token_ids)
+    if seq.all_logits:
+        return range(n)
+    return range(n - 1, n) if seq.sample else range(0)
 
 
 @dataclass

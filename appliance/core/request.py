@@ -25,6 +25,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; N >= 0: each sampled token's logprob and the N most likely
+    prompt_logprobs: int | None = None   # None: none; N >= 0: each prompt token's logprob and the N most likely
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +41,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities under the model's distribution: the log-softmax of the raw logits
+    (before temperature, top-k and top-p), as vLLM's default logprobs mode ("raw_logprobs") reports them."""
+
+    token_id: int
+    logprob: float
+    rank: int                                  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()    # the N most likely (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta. The last one of a request has finish_reason and usage set."""
 
@@ -48,6 +61,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None          # set when the request failed inside the engine (finish_reason ABORTED)
+    logprobs: tuple[TokenLogprob, ...] | None = None   # one per new token, when the request asked for logprobs
+    # On the first delta of a request that asked for prompt logprobs: one per prompt token, None for the first
+    # (nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None    # with prompt_logprobs (its first entry has no token)
 
     @property
     def finished(self) -> bool:
@@ -80,6 +98,8 @@ class CompletionResult:
     text: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)          # when the request asked (logprobs=N)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # when asked (prompt_logprobs=N)
 
 
 # Documented request limits (README "Request limits"): bounded so that one request cannot make stop
@@ -91,6 +111,8 @@ MAX_STOP_TOKEN_IDS = 64
 # Integer ranges the engine can take (torch holds top_k in an int64 tensor and seeds a Generator with a uint64);
 # they are also the gRPC fields' ranges (int32 top_k, uint64 seed), so HTTP and gRPC refuse the same values.
 MAX_TOP_K = 2**31 - 1
+# The most likely tokens a request may ask for per position (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 SEED_RANGE = (0, 2**64)                    # [low, high)
 
 
@@ -153,6 +175,10 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
         raise RequestError("sampling.top_k", f"{params.top_k} must be in [0, {MAX_TOP_K}]")
     if params.seed is not None and not SEED_RANGE[0] <= params.seed < SEED_RANGE[1]:
         raise RequestError("sampling.seed", f"{params.seed} must be in [0, 2**64)")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(f"sampling.{name}", f"{value} must be in [0, {MAX_LOGPROBS}]")
     if len(params.stop) > MAX_STOP_STRINGS:
         raise RequestError("sampling.stop", f"{len(params.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     for i, stop in enumerate(params.stop):

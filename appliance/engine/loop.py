@@ -15,6 +15,8 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
+import torch
+
 from appliance.core.config import RuntimeConfig
 from appliance.core.parallel import world_size
 from appliance.core.request import (
@@ -25,11 +27,13 @@ from appliance.core.request import (
     RequestLimits,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     validate_request,
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
 from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, wants_prompt_logits
 from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
@@ -328,26 +332,34 @@ class Engine:
         if kv.num_partitions > 1:
             scheduled = sorted(scheduled, key=lambda s: kv.partition_of(s.seq.request_id))
         batches = [StepBatch(seqs=[], new_pages=pages) for pages in new_pages]
+        steps = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
-            batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(SeqStep(
-                request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
-                start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
-                prompt_len=s.seq.num_prompt_tokens))
+            step = SeqStep(request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
+                           start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
+                           all_logits=wants_prompt_logits(s.seq, start, s.num_new_tokens),
+                           prompt_len=s.seq.num_prompt_tokens)
+            batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(step)
+            steps.append((s.seq, step))
         if kv.num_partitions > 1:
             logits = self._runner.execute_partitions(batches)
         else:
             logits = self._runner.execute(batches[0])
+        rows = logits_rows(steps)
+        if not rows.only_sampled:
+            add_prompt_logprobs(logits, rows)
+            logits = logits.index_select(0, torch.tensor(rows.sample_rows, device=logits.device))
         samplers = [s for s in scheduled if s.samples]
         tokens = self._sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
+        logprobs = sampled_logprobs(logits, [s.seq.params for s in samplers], tokens)
         self.steps += 1
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             kv.commit(s.seq.request_id, s.seq.num_computed_tokens)
         self._record_tokens([s.seq for s in samplers])
         finished = []
-        for s, token in zip(samplers, tokens):
-            if self._append(s.seq, token):
+        for s, token, logprob in zip(samplers, tokens, logprobs):
+            if self._append(s.seq, token, logprob):
                 finished.append(s.seq)
         return finished
 
@@ -363,10 +375,10 @@ class Engine:
         for seq in seqs:
             seq.last_token_time = now
 
-    def _append(self, seq: Sequence, token: int) -> bool:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Append a sampled token, apply stop rules, stream the delta. True when the sequence finished."""
         p = seq.params
-        seq.append_token(token)
+        seq.append_token(token, logprob)
         if token == self.tokenizer.eos_token_id and not p.ignore_eos:
             seq.finish_reason = FinishReason.EOS
         elif token in p.stop_token_ids:

@@ -68,6 +68,13 @@ class Scheduler:
             n = (start + n) // self.block_size * self.block_size - start
         return max(n, 0)
 
+    def _logits_rows_cap(self, seq: Sequence, budget: int) -> int:
+        """A request that asked for prompt logprobs gets logits for every token it computes: its chunks are held to
+        the logits rows the startup profile sized (max_sampled_rows; at least one block, so that it progresses)."""
+        if seq.params.prompt_logprobs is None:
+            return budget
+        return min(budget, max(self.limits.max_sampled_rows, self.block_size))
+
     def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Pages for the next tokens in every group at once, or nothing."""
         try:
@@ -109,7 +116,7 @@ class Scheduler:
             p = where(seq.request_id)
             if budget[p] == 0:
                 continue
-            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget[p])
+            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, self._logits_rows_cap(seq, budget[p]))
             if n == 0 or (seq.num_pending_tokens == 1 and id(seq) not in allowed_decoders):
                 continue
             if n == 1 and decode_rows[p] == 0:      # a 1-token chunk is a decode row to the runner too
@@ -131,14 +138,15 @@ class Scheduler:
             running[where(seq.request_id)] += 1
         while self.waiting and any(running[p] < self.limits.max_seqs and budget[p] > 0 for p in range(parts)):
             seq = self.waiting[0]
-            if self.enable_prefix_caching:
+            # A request that asked for prompt logprobs computes every prompt position (a cache hit would skip them).
+            if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 cached = self.kv.match_prefix(seq.request_id, seq.token_ids)   # places it on a partition too
             else:
                 cached = 0
                 if parts > 1:
                     self.kv.place(seq.request_id)
             p = where(seq.request_id)
-            n = self._chunk(cached, seq.num_tokens - cached, budget[p])
+            n = self._chunk(cached, seq.num_tokens - cached, self._logits_rows_cap(seq, budget[p]))
             if running[p] >= self.limits.max_seqs or n == 0 or (n == 1 and decode_rows[p] == 0):
                 self.kv.free(seq.request_id)
                 break

@@ -7,7 +7,7 @@ import time
 from enum import Enum
 from typing import Callable
 
-from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
+from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 
 _arrival = itertools.count()
 
@@ -40,6 +40,12 @@ class Sequence:
         self.error: str | None = None
         self.text = ""                     # detokenized output so far
         self.num_text_emitted = 0          # characters of text already streamed
+        # Logprobs asked for: of each output token, and of each prompt token (None for the first); filled in order
+        # (a preempted request recomputes its prompt but keeps those already computed).
+        self.output_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -50,9 +56,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.output_logprobs is not None and logprob is not None:
+            self.output_logprobs.append(logprob)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,7 +74,18 @@ class Sequence:
         return Usage(self.num_prompt_tokens, len(self.output_token_ids), self.num_cached_prompt_tokens)
 
     def emit(self, new_token_ids: list[int], new_text: str) -> None:
+        """Stream a delta: the new tokens' logprobs (the last ones appended) when asked for, and the prompt's once,
+        on the first delta after they are all known."""
         finished = self.finish_reason is not None
+        logprobs = None
+        if self.output_logprobs is not None:
+            logprobs = tuple(self.output_logprobs[len(self.output_logprobs) - len(new_token_ids):])
+        prompt_logprobs = None
+        if (self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) == self.num_prompt_tokens):
+            prompt_logprobs, self.prompt_logprobs_sent = tuple(self.prompt_logprobs), True
         self.on_output(RequestOutput(
             request_id=self.request_id, new_token_ids=tuple(new_token_ids), new_text=new_text,
-            finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error))
+            finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if prompt_logprobs is None else tuple(self.prompt_token_ids)))

@@ -14,6 +14,7 @@ from appliance.core.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from appliance.core.startup_report import StartupReport
@@ -88,6 +89,8 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -100,8 +103,23 @@ def request_prompt(req: pb.GenerateRequest) -> str | list[int]:
     raise RequestError("prompt", "set either prompt text or token_ids")
 
 
+def token_logprob_message(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def token_logprob(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
 def generate_response(out: RequestOutput) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text)
+    """A delta as the Generate stream sends it; the prompt's first logprob (None: nothing precedes the first token)
+    is left out, as the proto's repeated field cannot hold it."""
+    msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                              logprobs=[token_logprob_message(lp) for lp in out.logprobs or ()])
+    if out.prompt_logprobs is not None:
+        msg.prompt_token_ids.extend(out.prompt_token_ids or ())
+        msg.prompt_logprobs.extend(token_logprob_message(lp) for lp in out.prompt_logprobs[1:])
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[FinishReason(out.finish_reason)]
     if out.usage is not None:
@@ -116,16 +134,23 @@ def to_output(msg: pb.GenerateResponse) -> RequestOutput:
     usage = None
     if msg.HasField("usage"):
         usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
+    prompt = None
+    if msg.prompt_token_ids:
+        prompt = (None, *(token_logprob(lp) for lp in msg.prompt_logprobs))
     return RequestOutput(request_id=msg.request_id, new_token_ids=tuple(msg.token_ids), new_text=msg.text,
-                         finish_reason=_FINISH_FROM_PB.get(msg.finish_reason), usage=usage)
+                         finish_reason=_FINISH_FROM_PB.get(msg.finish_reason), usage=usage,
+                         logprobs=tuple(token_logprob(lp) for lp in msg.logprobs) or None,
+                         prompt_logprobs=prompt, prompt_token_ids=tuple(msg.prompt_token_ids) or None)
 
 
 def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
                      top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> pb.SamplingParams:
+                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> pb.SamplingParams:
     """Proto sampling from keywords; None leaves an optional field unset (the server's default applies)."""
     msg = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
-                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
     if max_tokens is not None:
         msg.max_tokens = max_tokens
     if top_p is not None:

@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (server-sent events when "stream": true)
     GET  /v1/models, GET /health (200 only while serving), GET /metrics (Prometheus)
+    POST /tokenize, POST /detokenize                  (vLLM's shapes)
 
 Why in-process on the gRPC server's event loop: one engine, one wait queue and one lifecycle for both front
 ends (starting -> serving -> draining), so limits, health and shutdown agree. The same rules as gRPC: the
@@ -26,7 +27,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Iterator, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,6 +46,7 @@ from appliance.core.request import (
     RequestLimits,
     RequestOutput,
     SamplingParams,
+    Usage,
     validate_prompt_text,
 )
 from appliance.serve.auth import bearer_token_matches
@@ -55,15 +57,21 @@ from appliance.serve.openai_api import (
     REQUEST_FIELDS,
     ApiError,
     ChatCompletionRequest,
+    Collected,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseShape,
+    TokenizeRequest,
+    chat_logprobs,
+    choices_usage,
+    completion_logprobs,
     field_path,
     finish_reason,
     invalid,
     request_field_names,
 )
 from appliance.serve.ports import suggested_port
-from appliance.serve.streams import RequestStream, open_stream
+from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
 
 
 class ServingState(Protocol):
@@ -130,11 +138,36 @@ class OpenAIRoutes:
         except EngineUnavailableError as exc:
             raise ApiError(503, f"engine unavailable: {exc}", type_="service_unavailable") from None
 
-    async def _respond(self, http: Request, stream: RequestStream, shape: ResponseShape, body: Any) -> Response:
+    async def _open_choices(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                            renamed: dict[str, str], n: int) -> list[RequestStream]:
+        """n engine requests of one prompt. With n > 1 the first is submitted alone and the rest once its first token
+        is out: its prompt's full KV pages are then in the prefix cache, and the others read them from there
+        instead of computing them again. Choice i samples with seed + i (when a seed is given)."""
+        if n == 1:
+            return [await self._open(request_id, prompt, params, renamed)]
+        streams: list[RequestStream] = []
+        try:
+            streams.append(await self._open(f"{request_id}-0", prompt, params, renamed))
+            streams[0] = ReplayedStream(streams[0], await streams[0].next_output())
+            for i in range(1, n):
+                seed = None if params.seed is None else (params.seed + i) % 2**64
+                streams.append(await self._open(f"{request_id}-{i}", prompt, dataclasses.replace(params, seed=seed),
+                                                renamed))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    async def _respond(self, http: Request, streams: list[RequestStream], shape: ResponseShape, body: Any,
+                       render: Callable[[Collected], tuple[str, dict[str, Any] | None]],
+                       delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> Response:
+        """Stream the deltas of every choice (each chunk with its tokens' logprobs from delta_logprobs), or answer
+        once with the text and logprobs `render` makes of each whole choice."""
         if body.stream:
-            return StreamingResponse(self._events(stream, shape, body.include_usage),
+            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
-        collect = asyncio.ensure_future(self._collect(stream))
+        collect = asyncio.ensure_future(asyncio.gather(*(self._collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_until_disconnected(http))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -142,52 +175,79 @@ class OpenAIRoutes:
             gone.cancel()
             if not collect.done():          # the client went away (or the server stops): free the blocks
                 collect.cancel()
-                stream.abort()
+                for stream in streams:
+                    stream.abort()
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
-        text, last = collect.result()
-        self._log_finished(last)
-        failure = _unfinished_error(last, self._engine_stopped())
+        results = collect.result()
+        for _, last in results:
+            self._log_finished(last)
+        stopped = self._engine_stopped()
+        failure = next((f for f in (_unfinished_error(last, stopped) for _, last in results) if f is not None), None)
         if failure is not None:
             raise failure
-        return JSONResponse(shape.full(text, finish_reason(last), last.usage), headers={"x-request-id": shape.id})
+        choices = [(*render(collected), finish_reason(last)) for collected, last in results]
+        return JSONResponse(shape.full_choices([(text, reason, lp) for text, lp, reason in choices],
+                                               choices_usage([last.usage for _, last in results])),
+                            headers={"x-request-id": shape.id})
 
     def _engine_stopped(self) -> bool:
         """The engine itself has stopped (a rank died), not just this request."""
         return getattr(self.server, "failure", None) is not None
 
     @staticmethod
-    async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
-        parts = []
+    async def _collect(stream: RequestStream) -> tuple[Collected, RequestOutput]:
+        collected = Collected()
         while True:
             out = await stream.next_output()
-            parts.append(out.new_text)
+            collected.add(out)
             if out.finished or out.error is not None:
-                return "".join(parts), out
+                return collected, out
 
-    async def _events(self, stream: RequestStream, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
-        finished = False
+    async def _events(self, streams: list[RequestStream], shape: ResponseShape, include_usage: bool,
+                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
+        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished."""
+        merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            while True:
+                out = await stream.next_output()
+                merged.put_nowait((index, out))
+                if out.finished or out.error is not None:
+                    return
+        pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        running = set(range(len(streams)))
+        usages: list[Usage | None] = [None] * len(streams)
         try:
             if shape.kind == "chat":
-                yield _sse(shape.chunk("", None, include_usage, role=True))
-            while not finished:
-                out = await stream.next_output()
+                for i in range(len(streams)):
+                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i))
+            while running:
+                i, out = await merged.get()
                 finished = out.finished or out.error is not None
-                if out.new_text:
-                    yield _sse(shape.chunk(out.new_text, None, include_usage))
-                failure = _unfinished_error(out, self._engine_stopped()) if finished else None
+                logprobs = delta_logprobs(i, out) if out.new_token_ids else None
+                if out.new_text or logprobs is not None:
+                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i))
+                if not finished:
+                    continue
+                running.discard(i)
+                usages[i] = out.usage
+                self._log_finished(out)
+                failure = _unfinished_error(out, self._engine_stopped())
                 if failure is not None:           # the openai client raises APIError on an error event
                     yield _sse(failure.body())
-                elif finished:
-                    yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage))
-                    if include_usage:
-                        yield _sse(shape.usage_chunk(out.usage))
-                if finished:
-                    self._log_finished(out)
+                    include_usage = False
+                    break
+                yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage,
+                                       index=i))
+            if include_usage:
+                yield _sse(shape.usage_chunk(choices_usage(usages)))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:      # the client disconnected (the response task was cancelled): free the blocks
-                stream.abort()
+            for pump_task in pumps:
+                pump_task.cancel()
+            for i in running:        # the client disconnected, or a choice failed: free the others' blocks
+                streams[i].abort()
 
     @staticmethod
     def _log_finished(out: RequestOutput) -> None:
@@ -203,41 +263,112 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         prompt = body.single_prompt()
         params = body.sampling_params(default_max_tokens=16)
-        stream = await self._open(request_id, prompt, params, {"prompt": "prompt"})
-        return await self._respond(http, stream, ResponseShape("completion", request_id, self.model), body)
+        streams = await self._open_choices(request_id, prompt, params, {"prompt": "prompt", "logprobs": "logprobs",
+                                                                        "prompt_logprobs": "logprobs"}, body.n)
+        token_text = self._token_text
+        offsets = [0] * body.n
+
+        def delta_logprobs(index: int, out: RequestOutput) -> dict[str, Any] | None:
+            if body.logprobs is None:
+                return None
+            part = completion_logprobs(out.logprobs or (), out.new_token_ids, token_text, offsets[index])
+            offsets[index] += sum(len(t) for t in part["tokens"])
+            return part
+
+        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
+            text, ids, entries = got.text, list(got.token_ids), list(got.logprobs)
+            if body.echo_only:
+                text, ids, entries = "", [], []
+            if body.echo:
+                text = (prompt if isinstance(prompt, str) else self.server.engine.tokenizer.decode(prompt)) + text
+                ids, entries = [*got.prompt_token_ids, *ids], [*got.prompt_logprobs, *entries]
+            if body.logprobs is None:
+                return text, None
+            return text, completion_logprobs(entries, ids, token_text)
+        return await self._respond(http, streams, ResponseShape("completion", request_id, self.model), body,
+                                   render, delta_logprobs)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text alone (special tokens included)."""
+        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_serving(body.model)
         request_id = _request_id(http)
+        srv = self.server
+        renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
+        ids = await self._chat_ids(body, renamed)
+        max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
+        if max_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        streams = await self._open_choices(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"}, body.n)
+        num_top = body.top_logprobs or 0
+
+        def delta_logprobs(_: int, out: RequestOutput) -> dict[str, Any] | None:
+            return chat_logprobs(out.logprobs, num_top, self._token_text) if out.logprobs is not None else None
+
+        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
+            return got.text, chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None
+        return await self._respond(http, streams, ResponseShape("chat", request_id, self.model), body,
+                                   render, delta_logprobs)
+
+    async def _chat_ids(self, body: ChatCompletionRequest, renamed: dict[str, str],
+                        encode: Callable[[str], list[int]] | None = None) -> list[int]:
+        """The chat rendered with the checkpoint's template and tokenized (by `encode`, default the engine's)."""
         if self.chat_template is None:
             raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
                                       f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
         srv = self.server
         limits: RequestLimits = srv.engine.limits
+        encode = encode or srv.engine.tokenizer.encode
         # Cheap checks first, so that a huge or many-message chat is refused before it is rendered or tokenized.
         kwargs = body.template_kwargs()
         body.refuse_messages_too_long(limits.max_prompt_bytes)
         body.refuse_invalid_unicode()
         messages = [m.template_value(i) for i, m in enumerate(body.messages)]
-        renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
 
         def render_and_encode() -> list[int]:          # on the executor: rendering and tokenizing take time
             text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
                                              tools=body.tools, **kwargs)
             validate_prompt_text(text, limits)        # the rendered chat is bounded like a prompt
-            return srv.engine.tokenizer.encode(text)
+            return encode(text)
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
+            return await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc)) from None
         except RequestError as exc:
             raise _request_error(exc, renamed) from None
-        max_tokens = body.requested_max_tokens()
-        params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
-        if max_tokens is not None:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        stream = await self._open(request_id, ids, params, renamed)
-        return await self._respond(http, stream, ResponseShape("chat", request_id, self.model), body)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs (each token's text, when asked)}."""
+        self._check_serving(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either prompt or messages")
+        tokenizer = self.server.engine.tokenizer
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_bos=True) if body.add_special_tokens else tokenizer.encode(text)
+        if body.prompt is not None:
+            limits: RequestLimits = self.server.engine.limits
+            try:
+                validate_prompt_text(body.prompt, limits)
+            except RequestError as exc:
+                raise _request_error(exc, {}) from None
+            ids = await asyncio.get_running_loop().run_in_executor(self.server.executor, encode, body.prompt)
+        else:
+            ids = await self._chat_ids(body.chat(), {"prompt": "messages"}, encode)
+        return {"count": len(ids), "max_model_len": self.server.rc.max_model_len, "tokens": ids,
+                "token_strs": [self._token_text(i) for i in ids] if body.return_token_strs else None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: {prompt: the tokens' text}."""
+        self._check_serving(body.model)
+        vocab = self.server.engine.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return {"prompt": self.server.engine.tokenizer.decode(body.tokens)}
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
@@ -259,6 +390,13 @@ def _request_error(exc: RequestError, renamed: dict[str, str]) -> ApiError:
 def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -> ApiError:
     """FastAPI's validation errors as one 400: malformed JSON says so; otherwise the deepest error (the union
     member the client most likely meant) names its field as written, with what was expected there."""
+    unknown = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+    if unknown is not None:
+        where = tuple(unknown.get("loc", ()))[1:]
+        param = field_path(where[:-1], names)
+        param = f"{param}.{where[-1]}" if param else str(where[-1])
+        return ApiError(400, f"{param}: not supported by this server (the field is refused, not ignored: remove it)",
+                        param=param)
     if errors and errors[0].get("type") == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
         where = errors[0].get("loc", ())[-1]
@@ -323,6 +461,8 @@ def create_app(server: ServingState, chat_template: ChatTemplate | None) -> Fast
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
     app.get("/v1/models")(routes.models)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     app.get("/health")(routes.health)
 
     @app.get("/metrics")

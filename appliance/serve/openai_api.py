@@ -1,22 +1,33 @@
 """The OpenAI API's request and response shapes, and their translation to and from the engine's types.
 
-Requests are pydantic models (FastAPI validates the JSON against them; unknown fields are ignored, as
-OpenAI-compatible servers do), strict where the OpenAI spec is strict: `"stream": "yes"` or `"max_tokens": true`
-is a 400, not a guess (an integer is still accepted where a number is expected); responses are plain dicts in
-the documented OpenAI shapes. Parameters the
-engine cannot honour (n > 1, logprobs, penalties, logit_bias, echo) are refused with a 400 naming the field
-rather than silently ignored. Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+Requests are pydantic models (FastAPI validates the JSON against them), strict where the OpenAI spec is strict:
+`"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer is still accepted where a number is
+expected); responses are plain dicts in the documented OpenAI shapes. A top-level field the models do not declare
+(`best_of`, `response_format`, `tool_choice`, a typo) is a 400 naming it, and declared ones the engine cannot
+honour (penalties, logit_bias, suffix, echo with stream) are refused likewise: nothing is silently ignored (inside
+a chat message, keys other than role, content and name still are). Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
+the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
+"raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage, lone_surrogate_at
+from appliance.core.request import (
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+    lone_surrogate_at,
+)
 from appliance.serve.chat_template import RENDERER_NAMES
 
 # Engine finish reasons as OpenAI spells them. An aborted request has none of OpenAI's reasons (stop, length,
@@ -27,6 +38,8 @@ REQUEST_FIELDS = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
 # Documented request limit (README "Request limits"): more messages are refused before any is validated or
 # rendered, so a body of many tiny messages costs the event loop no more than parsing it.
 MAX_CHAT_MESSAGES = 4096
+# Documented request limit: choices per request (n); each is an engine request, bounded by the wait queue too.
+MAX_CHOICES = 128
 
 
 class ApiError(Exception):
@@ -80,11 +93,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-class StreamOptions(_Strict):
+class _Request(_Strict):
+    """A request body: a field the server does not declare is refused, naming it (never silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -99,17 +118,14 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise invalid("n", f"{self.n}: this server returns one choice per request (n=1)")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs", "log probabilities are not supported")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise invalid("n", f"{self.n} must be in [1, {MAX_CHOICES}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise invalid(name, "penalties are not supported (send 0)")
@@ -134,12 +150,26 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None        # N: each token's logprob and the N most likely (with echo: the prompt's too)
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (lm-eval's scoring)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """logprobs N asks the engine for the sampled tokens' logprobs and, with echo, the prompt's. echo with
+        max_tokens 0 runs the prompt and one token, which the response leaves out (as vLLM does)."""
+        if self.echo and self.stream:
+            raise invalid("echo", "echo with stream is not supported; send stream: false")
+        params = super().sampling_params(default_max_tokens)
+        return dataclasses.replace(params, max_tokens=1 if self.echo_only else params.max_tokens,
+                                   logprobs=self.logprobs,
+                                   prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids); a batch of several prompts is refused."""
-        if self.echo:
-            raise invalid("echo", "echo is not supported")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
         p = self.prompt
@@ -198,6 +228,14 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        params = super().sampling_params(default_max_tokens)
+        return dataclasses.replace(params, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -237,13 +275,46 @@ class ChatCompletionRequest(_Sampling):
                 raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt (as /v1/completions tokenizes it), or chat messages (rendered as
+    /v1/chat/completions renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_at_most_messages)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False   # True: the BOS token first (neither completions route adds it to a prompt)
+    return_token_strs: bool = False
+
+    def chat(self) -> "ChatCompletionRequest":
+        """The messages as a chat request, so they are checked and rendered exactly as chat completions are."""
+        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models, to tell them from union members in pydantic error locations."""
-    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions]
+    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
+                                     TokenizeRequest, DetokenizeRequest]
     return frozenset(name for model in models for name in model.model_fields)
 
 
 # -- responses ---------------------------------------------------------------------------------------
+
+def choices_usage(usages: Sequence[Usage | None]) -> Usage | None:
+    """The usage of n choices of one prompt: the prompt counted once (with its first choice's cache hit), every
+    choice's completion tokens."""
+    if any(u is None for u in usages):
+        return None
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_prompt_tokens)
+
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
@@ -258,6 +329,59 @@ def finish_reason(out: RequestOutput) -> str | None:
     return FINISH_REASONS.get(FinishReason(out.finish_reason)) if out.finish_reason is not None else None
 
 
+# The logprob OpenAI-compatible servers send for -inf (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+
+
+def ranked(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """vLLM's order of a position's candidates: the chosen token first, then the most likely without it."""
+    return [(lp.token_id, lp.logprob)] + [(t, v) for t, v in lp.top if t != lp.token_id]
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob | None], token_ids: Sequence[int],
+                        token_text: Callable[[int], str], text_offset: int = 0) -> dict[str, Any]:
+    """The completions API's logprobs: per token its text, logprob, the candidates {text: logprob} (the chosen
+    token and the N most likely) and its character offset; a position without logprobs (the first prompt token)
+    has null ones."""
+    body: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for token_id, lp in zip(token_ids, entries, strict=True):
+        text = token_text(token_id)
+        body["tokens"].append(text)
+        body["text_offset"].append(text_offset)
+        text_offset += len(text)
+        body["token_logprobs"].append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
+        body["top_logprobs"].append(None if lp is None else
+                                    {token_text(t): max(v, MIN_LOGPROB) for t, v in ranked(lp)})
+    return body
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], num_top: int, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The chat API's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [N candidates]}]}."""
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8", "replace"))}
+    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in ranked(lp)[:num_top]]}
+                        for lp in entries]}
+
+
+@dataclasses.dataclass
+class Collected:
+    """A finished request's deltas put together (the non-streaming response is built from it)."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs or ()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_token_ids = out.prompt_logprobs, out.prompt_token_ids or ()
+
+
 class ResponseShape:
     """What differs between completions and chat: object names and how a choice carries its text."""
 
@@ -269,29 +393,37 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, reason: str | None, usage: Usage | None) -> dict[str, Any]:
-        """The non-streaming response."""
+    def full(self, text: str, reason: str | None, usage: Usage | None,
+             logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The non-streaming response of one choice."""
+        return self.full_choices([(text, reason, logprobs)], usage)
+
+    def full_choices(self, choices: list[tuple[str, str | None, dict[str, Any] | None]],
+                     usage: Usage | None) -> dict[str, Any]:
+        """The non-streaming response: (text, finish reason, logprobs) of each choice, in index order."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
+            body = self._envelope("chat.completion", [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)])
         else:
-            body = self._envelope("text_completion",
-                                  [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+            body = self._envelope("text_completion", [
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                for i, (text, reason, logprobs) in enumerate(choices)])
         body["usage"] = usage_body(usage)
         return body
 
-    def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False) -> dict[str, Any]:
-        """One streamed chunk; with include_usage every chunk but the last carries usage null."""
+    def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        """One streamed chunk of choice `index`; with include_usage every chunk but the last carries usage null."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             body = self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+                                  [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
         else:
-            body = self._envelope("text_completion",
-                                  [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}])
+            body = self._envelope("text_completion", [
+                {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
         if include_usage:
             body["usage"] = None
         return body

@@ -20,8 +20,11 @@ def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     the event loop falls behind the engine (the concatenation of deltas stays the same)."""
     while not out.finished and out.error is None and not queue.empty():
         nxt = queue.get_nowait()
+        logprobs = None if out.logprobs is None and nxt.logprobs is None else (out.logprobs or ()) + (nxt.logprobs or ())
+        first = out if out.prompt_logprobs is not None else nxt
         out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
-                            nxt.finish_reason, nxt.usage, nxt.error)
+                            nxt.finish_reason, nxt.usage, nxt.error, logprobs, first.prompt_logprobs,
+                            first.prompt_token_ids)
     return out
 
 
@@ -57,6 +60,20 @@ class RequestStream:
         self._queue.put_nowait(RequestOutput(self.request_id, (), "", FinishReason.ABORTED,
                                              Usage(prompt_tokens, self.completion_tokens, 0)))
         self._registry.discard(self)
+
+
+class ReplayedStream(RequestStream):
+    """A stream whose first delta was already read (to know the request got going): it is given out again first."""
+
+    def __init__(self, stream: RequestStream, first: RequestOutput):
+        super().__init__(stream.handle, stream._queue)
+        self._first: RequestOutput | None = first
+
+    async def next_output(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        return await super().next_output()
 
 
 async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: str | list[int],

@@ -16,7 +16,7 @@ import torch
 from appliance.core.archs.deepseek_v4 import state_span_pages
 from appliance.core.config import ModelSpec
 from appliance.core.kv_cache_spec import CacheGroupSpec
-from npu.step import SeqStep, StepBatch
+from npu.step import SeqStep, StepBatch, logits_offsets
 
 
 @dataclass
@@ -150,7 +150,8 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
 
     rows = {"ori.write": at("ori", tok_seq, pos, all_tokens)}
     flat_last = dict(zip(order, last.tolist()))
-    sample = torch.tensor([flat_last[i] for i, s in enumerate(batch.seqs) if s.sample], dtype=torch.long)
+    sample = torch.tensor([flat_last[i] - len(s.token_ids) + 1 + k for i, s in enumerate(batch.seqs)
+                           for k in logits_offsets(s)], dtype=torch.long)
     plan = StepPlan(torch.tensor([t for s in seqs for t in s.token_ids]), pos, sample, [])
 
     for kind in kinds:

@@ -17,6 +17,7 @@ from appliance.core.request import (
     RequestLimits,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     Usage,
     validate_request,
 )
@@ -55,6 +56,19 @@ class FakeRequest:
     params: SamplingParams
     on_output: object
     produced: int = 0
+
+
+def fake_logprobs(req: "FakeRequest", tok: int) -> dict:
+    """The logprobs fields of the delta of the req's newest token, as the engine fills them: generated tokens at
+    logprob -1 (rank 1), prompt tokens at -2 (rank 2, behind token 0 at -0.5)."""
+    fields: dict = {}
+    if req.params.logprobs is not None:
+        fields["logprobs"] = (TokenLogprob(tok, -1.0, 1, ((tok, -1.0),) * min(req.params.logprobs, 1)),)
+    if req.params.prompt_logprobs is not None and req.produced == 1:
+        fields["prompt_token_ids"] = tuple(req.prompt)
+        top = ((0, -0.5),) * min(req.params.prompt_logprobs, 1)           # token 0 is more likely
+        fields["prompt_logprobs"] = (None, *(TokenLogprob(t, -2.0, 2, top) for t in req.prompt[1:]))
+    return fields
 
 
 class FakeEngine:
@@ -151,9 +165,10 @@ class FakeEngine:
                 req.produced += 1
                 if req.produced >= req.params.max_tokens:
                     out = self._finish(req, FinishReason.LENGTH)
-                    req.on_output(dataclasses.replace(out, new_token_ids=(tok,), new_text=chr(tok)))
+                    req.on_output(dataclasses.replace(out, new_token_ids=(tok,), new_text=chr(tok),
+                                                      **fake_logprobs(req, tok)))
                 else:
-                    req.on_output(RequestOutput(req.rid, (tok,), chr(tok)))
+                    req.on_output(RequestOutput(req.rid, (tok,), chr(tok), **fake_logprobs(req, tok)))
 
     def drain(self, grace_s: float) -> None:
         self.draining = True

@@ -34,7 +34,7 @@ class RecordingTokenizer:
         self.encoded.append(len(text))
         return list(text.encode())
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
 
