@@ -66,12 +66,16 @@ class ReplayedStream(RequestStream):
     """A stream whose first delta was already read (to know the request got going): it is given out again first."""
 
     def __init__(self, stream: RequestStream, first: RequestOutput):
-        super().__init__(stream.handle, stream._queue)
+        super().__init__(stream.handle, stream._queue, stream.request_id, stream._registry)   # takes its place
+        stream._registry.discard(stream)
+        self.completion_tokens = stream.completion_tokens        # `first` was counted when it was read
         self._first: RequestOutput | None = first
 
     async def next_output(self) -> RequestOutput:
         if self._first is not None:
             out, self._first = self._first, None
+            if out.finished or out.error is not None:
+                self._registry.discard(self)
             return out
         return await super().next_output()
 

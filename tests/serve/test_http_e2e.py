@@ -56,6 +56,7 @@ def served(checkpoint, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     srv = ServerProcess("+model=hf", f"model.weights={checkpoint}", *MODEL_OVERRIDES, "server.port=0",
                         "server.http_port=0", f"server.auth_token={TOKEN}", "logging.format=json",
+                        f"server.http_max_body_bytes={32 << 20}",       # a 16 MB chat reaches the chat bound
                         run_dir=run_dir)
     try:
         srv.wait_address()

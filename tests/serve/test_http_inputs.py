@@ -53,7 +53,9 @@ class Served:
 def served(tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "chat_template": TEMPLATE}))
-    rc = load_runtime_config(["server.port=0", "server.http_port=0", "server.grace_period_s=5"])
+    # A 16 MB chat must pass the body limit (server.http_max_body_bytes) to reach the chat bound tested here.
+    rc = load_runtime_config(["server.port=0", "server.http_port=0", "server.grace_period_s=5",
+                              f"server.http_max_body_bytes={32 << 20}"])
     rc = dataclasses.replace(rc, model=dataclasses.replace(rc.model, tokenizer=str(tok_dir / "tokenizer.json")))
     engine = FakeEngine(rc)
     engine.tokenizer = RecordingTokenizer()
