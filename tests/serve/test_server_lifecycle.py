@@ -19,7 +19,7 @@ from appliance.core.request import FinishReason
 from appliance.serve.server import ApplianceServer, ServerBindError
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
-from tests.serve.test_server import Running, with_server
+from tests.serve.test_server import Running, wait_for, with_server
 
 base_rc = test_server.base_rc           # the fixture: gRPC on a free port, HTTP off
 
@@ -99,7 +99,10 @@ def test_signal_during_start_waits_for_the_start_and_shuts_the_engine_down(base_
     rc = with_server(base_rc, grace_period_s=30.0)
     srv = Running(rc, FakeEngine(rc, start_gate=gate))
     srv.server.request_shutdown()
-    gate.set()                                   # the start ends during the stop
+    # The start ends during the stop: released only once the server has taken the stop (else a start that ends
+    # first on a busy machine is a normal start and stop).
+    wait_for(lambda: srv.server.state == "stopped" or not srv.thread.is_alive(), 60, "the stop during the start")
+    gate.set()
     srv.thread.join(60)
     assert not srv.thread.is_alive()
     assert srv.result["status"] == "interrupted"
