@@ -99,9 +99,9 @@ def test_learned_routing_picks_exactly_the_top_k_of_score_plus_bias(scoring_func
     assert torch.allclose(weights, picked_scores / picked_scores.sum(-1, keepdim=True) * 1.5, atol=1e-6)
 
 
-def test_runner_hash_layers_route_by_tid2eid(monkeypatch):
-    """Through the runner: layer 0 (num_hash_layers = 1) sends each token to exactly tid2eid[token], the
-    other layers to learned top-k experts; every token's routing weights sum to routed_scaling_factor."""
+def routed_per_layer(monkeypatch, seed: int, num_tokens: int):
+    """One prefill step of the embedded default's runner on seeded random tokens, recording every layer's
+    routed-experts call: (model, runner, tokens, [(hidden, weights, experts) per layer])."""
     m = load_runtime_config([]).model
     runner = DeepseekV4Runner(m, "cpu")
     runner.load_weights()
@@ -109,37 +109,32 @@ def test_runner_hash_layers_route_by_tid2eid(monkeypatch):
     seen = []
     real = moe_module.routed_experts
     monkeypatch.setattr("npu.deepseek_v4.routed_experts",
-                        lambda h, w, e, *a: seen.append((w, e)) or real(h, w, e, *a))
-    tokens = [random.Random(0).randrange(m.layout.vocab_size) for _ in range(9)]
+                        lambda h, w, e, *a: seen.append((h, w, e)) or real(h, w, e, *a))
+    tokens = [random.Random(seed).randrange(m.layout.vocab_size) for _ in range(num_tokens)]
     tables = {s.name: list(range(s.max_blocks_per_seq)) for s in m.cache_groups}
     runner.execute(StepBatch([SeqStep("r", tokens, 0, tables)]))
     assert len(seen) == m.layout.num_layers
-    table = runner.params["layers.0.ffn.gate.tid2eid"]
-    assert torch.equal(seen[0][1], table[torch.tensor(tokens)])
-    assert not torch.equal(seen[1][1], table[torch.tensor(tokens)])
-    for weights, _ in seen:
-        assert torch.allclose(weights.sum(-1), torch.full((len(tokens),), m.layout.routed_scaling_factor))
+    return m, runner, tokens, seen
 
+
+def test_runner_hash_layers_route_by_tid2eid(monkeypatch):
+    """Through the runner: layer 0 (num_hash_layers = 1) sends each token to exactly tid2eid[token], the
+    other layers to learned top-k experts; every token's routing weights sum to routed_scaling_factor."""
+    m, runner, tokens, seen = routed_per_layer(monkeypatch, seed=0, num_tokens=9)
+    table = runner.params["layers.0.ffn.gate.tid2eid"]
+    assert torch.equal(seen[0][2], table[torch.tensor(tokens)])
+    assert not torch.equal(seen[1][2], table[torch.tensor(tokens)])
+    for _, weights, _ in seen:
+        assert torch.allclose(weights.sum(-1), torch.full((len(tokens),), m.layout.routed_scaling_factor))
 
 
 def test_runner_routes_every_token_to_exactly_k_experts_in_every_layer(monkeypatch):
     """Every layer, hashed or learned, sends each token to num_experts_per_tok distinct experts; a learned
     layer's are the top k of sqrtsoftplus(h Wg) + bias, recomputed here from the layer's input and weights."""
-    m = load_runtime_config([]).model
+    m, runner, tokens, seen = routed_per_layer(monkeypatch, seed=1, num_tokens=11)
     k = m.layout.num_experts_per_tok
     assert 1 < k < m.layout.num_experts and m.layout.num_hash_layers >= 1
-    runner = DeepseekV4Runner(m, "cpu")
-    runner.load_weights()
-    runner.allocate_pools({s.name: s.max_blocks_per_seq for s in m.cache_groups}, 1)
-    seen = []
-    real = moe_module.routed_experts
-    monkeypatch.setattr("npu.deepseek_v4.routed_experts",
-                        lambda h, w, e, *a: seen.append((h, e)) or real(h, w, e, *a))
-    tokens = [random.Random(1).randrange(m.layout.vocab_size) for _ in range(11)]
-    tables = {s.name: list(range(s.max_blocks_per_seq)) for s in m.cache_groups}
-    runner.execute(StepBatch([SeqStep("r", tokens, 0, tables)]))
-    assert len(seen) == m.layout.num_layers
-    for layer, (h, experts) in enumerate(seen):
+    for layer, (h, _, experts) in enumerate(seen):
         assert experts.shape == (len(tokens), k), layer
         assert all(len(set(row.tolist())) == k for row in experts), layer
         if layer < m.layout.num_hash_layers:
