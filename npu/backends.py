@@ -257,7 +257,10 @@ def auto_cpu_threads(cores: int, busy: float, ranks_on_host: int = 1) -> ThreadC
     free = cores - round(busy)
     threads = max(1, min(share, free))
     ranks = f", {ranks_on_host} ranks sharing them" if ranks_on_host > 1 else ""
-    why = "the others are busy" if threads < share else "every one idle"
+    if free >= share:
+        why = f"{share} idle for this rank" if ranks_on_host > 1 else "every core idle"
+    else:
+        why = f"only {free} idle" if free >= 1 else "none idle, so the least: 1"
     return ThreadChoice(threads, f"{cores} cores{ranks}, about {busy:.1f} busy with other work: {why}")
 
 
