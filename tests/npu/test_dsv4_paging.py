@@ -76,14 +76,19 @@ def test_a_full_group_never_wraps_past_its_table():
         plan_of([SeqStep("d", [5], 515, tables(pages))])
 
 
+def quantized_idx_pool(row_dtype: str):
+    """dsv4_tiny's idx group with quantized rows (row_dtype + a 4 B fp32 scale), a 2-page pool of it and its PoolIO."""
+    model = load_runtime_config(["+model=dsv4_tiny"]).model
+    spec = dataclasses.replace(model.group("idx"), row_dtype=row_dtype, row_extra_bytes=4)
+    model = dataclasses.replace(model, cache_groups=tuple(spec if s.name == "idx" else s for s in model.cache_groups))
+    pool = torch.zeros(spec.num_layers, 2, spec.rows_per_block, spec.row_width + 4, dtype=getattr(torch, row_dtype))
+    return spec, pool, PoolIO(model, {"idx": pool})
+
+
 def test_int8_rows_keep_small_values_to_half_a_step():
     """Rows of absolute maximum 0.05 quantize with their own scale (0.05 / 127), not a floor of 1 / 127."""
-    model = load_runtime_config(["+model=dsv4_tiny"]).model
-    spec = dataclasses.replace(model.group("idx"), row_dtype="int8", row_extra_bytes=4)
-    model = dataclasses.replace(model, cache_groups=tuple(spec if s.name == "idx" else s for s in model.cache_groups))
+    spec, pool, io = quantized_idx_pool("int8")
     width = spec.row_width
-    pool = torch.zeros(spec.num_layers, 2, spec.rows_per_block, width + 4, dtype=torch.int8)
-    io = PoolIO(model, {"idx": pool})
     values = torch.linspace(-0.05, 0.04, 2 * width).view(2, width)
     rows = Rows(torch.tensor([1, 0]), torch.tensor([3, 1]), torch.tensor([True, True]))
     layer = spec.layer_ids[0]
@@ -99,12 +104,8 @@ def test_float8_rows_hold_e4m3_values_and_their_row_scale():
     largest magnitude maps to e4m3's largest finite value, 448, through the fp32 scale stored after the row; every
     value comes back within e4m3's half step (3 mantissa bits: 2^-4 relative, 2^-10 of 448 x scale for
     subnormals)."""
-    model = load_runtime_config(["+model=dsv4_tiny"]).model
-    spec = dataclasses.replace(model.group("idx"), row_dtype="float8_e4m3fn", row_extra_bytes=4)
-    model = dataclasses.replace(model, cache_groups=tuple(spec if s.name == "idx" else s for s in model.cache_groups))
+    spec, pool, io = quantized_idx_pool("float8_e4m3fn")
     width = spec.row_width
-    pool = torch.zeros(spec.num_layers, 2, spec.rows_per_block, width + 4, dtype=torch.float8_e4m3fn)
-    io = PoolIO(model, {"idx": pool})
     values = torch.randn(2, width, generator=torch.Generator().manual_seed(0)) * torch.tensor([[0.03], [7.0]])
     rows = Rows(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([True, True]))
     layer = spec.layer_ids[1]
