@@ -169,3 +169,14 @@ def test_core_loads_neither_torch_nor_hydra():
 
 def test_plan_mode_loads_no_torch():
     assert "torch" not in loaded_after_import("appliance.modes.plan", "appliance.config.compose")
+
+
+def test_the_check_sees_which_runner_serves_each_architecture():
+    """npu/registry.py imports every runner module (no importlib string the graph could not follow), and its table
+    names a runner for every architecture the core registry declares."""
+    from appliance.core.archs import ARCHITECTURES
+    from npu.registry import RUNNERS
+
+    assert set(RUNNERS) == set(ARCHITECTURES)
+    reached = internal_graph()["npu.registry"]
+    assert {cls.__module__ for cls in RUNNERS.values()} <= reached
