@@ -180,3 +180,27 @@ def test_the_check_sees_which_runner_serves_each_architecture():
     assert set(RUNNERS) == set(ARCHITECTURES)
     reached = internal_graph()["npu.registry"]
     assert {cls.__module__ for cls in RUNNERS.values()} <= reached
+
+
+# What runs the product: `python -m` entry points (make install's kernel build and make proto included), the Python
+# API, and the Hydra callbacks conf/ names (their `_target_` modules are added by the test).
+ENTRY_POINTS = ("appliance.__main__", "appliance.cli", "appliance.sweep.__main__", "appliance.client",
+                "appliance.offline", "npu.worker", "npu.cpu_kernels", "appliance.serve.api.generate")
+
+
+def test_every_module_of_the_package_serves_the_product():
+    """The installed package holds no test-only module (scripted devices, checkpoint writers live in tests/):
+    every module is imported, directly or not, by an entry point of the product."""
+    graph = internal_graph()
+    targets = {line.split("_target_:")[1].strip() for f in (REPO / "conf").rglob("*.yaml")
+               for line in f.read_text().splitlines() if "_target_:" in line}
+    roots = [m for m in ENTRY_POINTS if m in graph]
+    roots += [m for t in targets for m in [t.rpartition(".")[0]] if m in graph]
+    reached: set[str] = set()
+    stack = list(roots)
+    while stack:
+        module = stack.pop()
+        if module not in reached:
+            reached.add(module)
+            stack += graph[module] | {p for p in graph if module.startswith(p + ".")}   # its packages run too
+    assert sorted(set(graph) - reached) == []
