@@ -240,7 +240,7 @@ class Engine:
             del self._in_flight[seq.request_id]
             self._inbox.put(("abort", seq))
 
-    # -- introspection (metrics, the drain) ----------------------------------------------------------
+    # -- introspection (tests, metrics) --------------------------------------------------------------
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
