@@ -195,8 +195,9 @@ class GrpcFrontEnd:
         options = [("grpc.max_send_message_length", srv.max_message_bytes),
                    ("grpc.max_receive_message_length", srv.max_message_bytes),
                    ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
-        interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(srv.auth_token)] \
-            if srv.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if srv.auth_token:
+            interceptors.append(BearerTokenInterceptor(srv.auth_token))
         interceptors.append(MalformedRequestInterceptor())
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self.server), self._grpc)
