@@ -36,7 +36,7 @@ from report import add_runs_argument, interleave, spread  # noqa: E402
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.modes.bench import seeded_workload  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 WEIGHTS_SEED = 7
 

@@ -6,7 +6,7 @@
     python bench/bench_engine.py --threads 2 --profile  # + cProfile of the engine loop thread
     python bench/bench_engine.py --runs 5               # 5 interleaved runs per side (default 3)
 
-Both sides load one tiny random Qwen3 checkpoint written here (npu.checkpoint.write_tiny_checkpoint, fixed
+Both sides load one tiny random Qwen3 checkpoint written here (tests.support.checkpoints.write_tiny_checkpoint, fixed
 seed). Greedy, ignore_eos, and only the requested output tokens are counted on both sides.
 
 - engine: Appliance (weights = the checkpoint, device=cpu, pinned kv_cache.num_slots_override, every
@@ -70,7 +70,7 @@ from appliance.core.config import RuntimeConfig  # noqa: E402
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.modes.bench import seeded_workload  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 SCALE_LAYOUT = [
     "model.layout.hidden_size=512", "model.layout.num_layers=4", "model.layout.num_heads=8",

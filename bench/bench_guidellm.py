@@ -48,7 +48,7 @@ def main() -> None:
     print(watch.header(args.runs), flush=True)
 
     from appliance.config.compose import load_runtime_config
-    from npu.checkpoint import write_tiny_checkpoint
+    from tests.support.checkpoints import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "qwen3-tiny", load_runtime_config(["+model=qwen3_tiny"]).model, 5)

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [("The colour of the sky is", [" blue", " green", " loud"], 0),

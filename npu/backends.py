@@ -14,7 +14,7 @@ device current (set_device): the CUDA and NPU runtimes keep the current device p
     cpu   the host; total = device.memory_bytes_per_device or /proc/meminfo MemAvailable, and the peak
           comes from AllocationTracker (below), because torch keeps no allocator statistics on CPU
 
-npu.fake has a scripted backend with NPU-sized numbers (tests, planning dry runs); npu.cpu_memory has the
+tests/support/fake_device.py has a scripted backend with NPU-sized numbers (tests); npu.cpu_memory has the
 allocation tracker that gives the CPU backend its peak.
 """
 

@@ -7,7 +7,7 @@
    this thread's current one;
 2. check every configured device has free >= total x npu_memory_utilization, before anything is loaded
    (InsufficientMemoryError naming the device, total, free and utilization: the CLI exits 2);
-3. build the runner for model.arch (found through the architecture registry, imported when chosen);
+3. build the runner for model.arch (npu/registry.py);
 4. load weights (timed);
 5. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run every step of
    appliance.core.step_limits.worst_steps (the heaviest steps the scheduler can issue: it reads the same
@@ -20,8 +20,8 @@
    everything and re-plan from the free memory the devices then report (planner.slots_that_fit);
 8. return the runner and a StartupReport of what was finally allocated.
 
-The planning half runs unchanged with npu.fake's FakeBackend and ShapeOnlyRunner, so NPU-scale startups
-are tested on a CPU without allocating anything.
+The planning half runs unchanged with a scripted backend and a shape-only runner (tests/support/fake_device.py),
+so NPU-scale startups are tested on a CPU without allocating anything.
 """
 
 from __future__ import annotations

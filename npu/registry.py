@@ -1,25 +1,34 @@
-"""Runner classes found through the architecture registry (appliance.core.archs), imported on first use."""
+"""The device plane's half of the architecture registry: which ModelRunner runs each `model.arch`.
+
+The core registry (appliance.core.archs) keeps each architecture's rules, parallelism and config keys, torch-free;
+the runners are torch code, so the device plane owns this table and imports them plainly (tests/test_layers.py
+sees these imports; a `module:Class` string loaded by importlib it could not).
+"""
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 
 from appliance.core.archs import architecture
 from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace
+from npu.deepseek_v4 import DeepseekV4Runner
+from npu.qwen3 import Qwen3Runner
 from npu.runner import ModelRunner
+
+RUNNERS: dict[str, type[ModelRunner]] = {
+    "qwen3": Qwen3Runner,
+    "deepseek_v4": DeepseekV4Runner,
+}
 
 
 def runner_class(arch: str) -> type[ModelRunner]:
     """The ModelRunner subclass of `arch` (ConfigError naming model.arch for an unknown one)."""
-    target = architecture(arch).runner
-    module, _, name = target.partition(":")
+    name = architecture(arch).name
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"the runner for model.arch={arch!r} ({target}) is not available: {exc}") from exc
+        return RUNNERS[name]
+    except KeyError:
+        raise RuntimeError(f"model.arch={arch!r} has no runner in npu/registry.py") from None
 
 
 def build_runner(model: ModelSpec, device: torch.device, place: RankPlace | None = None) -> ModelRunner:

@@ -14,7 +14,7 @@ and read strides from these tensors, so no pool size is baked into any shape.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -160,6 +160,15 @@ class ModelRunner(ABC):
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return logits [number of seqs with sample=True, vocab], in batch order, in float32 or
         the model's compute dtype (as transformers and vLLM models do: the sampler widens what it reads)."""
+
+    def execute_partitions(self, batches: Sequence[StepBatch]) -> torch.Tensor:
+        """The StepExecutor interface: a runner is one data-parallel rank, so it steps exactly one batch."""
+        if len(batches) != 1:
+            raise ValueError(f"a runner steps one data-parallel rank's batch, got {len(batches)} batches")
+        return self.execute(batches[0])
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """The StepExecutor interface: a runner lives in this process; no other rank can be lost."""
 
     # -- profiling ---------------------------------------------------------------------------------
     def scratch_batch(self, step: StepShape) -> StepBatch:

@@ -1,8 +1,13 @@
-"""What the engine hands the model runner for one step. Plain data; no torch."""
+"""What the engine hands the model runner for one step (plain data; no torch at run time), and the interface of
+what runs it (StepExecutor)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,3 +47,25 @@ class StepBatch:
     # A startup profiling step (ModelRunner.scratch_batch): the runner takes the heaviest branch of every
     # data-dependent choice (an MoE routes every token to the same experts), so its peak bounds real steps.
     worst_case: bool = False
+
+
+class StepExecutor(Protocol):
+    """What the engine steps: a ModelRunner (every rank in this process) or a DeviceGroup (the owner driving every
+    rank). One interface, so the engine never asks which it holds."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One step of one data-parallel rank: the logits its sequences sample from (npu.step.logits_offsets)."""
+        ...
+
+    def execute_partitions(self, batches: Sequence[StepBatch]) -> torch.Tensor:
+        """One step of every data-parallel rank, batches[d] on rank d; the logits of every batch, in batch order."""
+        ...
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Call on_lost(message) once if a rank this executor steps dies while idle."""
+        ...
+
+    def shutdown(self) -> None: ...

@@ -169,3 +169,38 @@ def test_core_loads_neither_torch_nor_hydra():
 
 def test_plan_mode_loads_no_torch():
     assert "torch" not in loaded_after_import("appliance.modes.plan", "appliance.config.compose")
+
+
+def test_the_check_sees_which_runner_serves_each_architecture():
+    """npu/registry.py imports every runner module (no importlib string the graph could not follow), and its table
+    names a runner for every architecture the core registry declares."""
+    from appliance.core.archs import ARCHITECTURES
+    from npu.registry import RUNNERS
+
+    assert set(RUNNERS) == set(ARCHITECTURES)
+    reached = internal_graph()["npu.registry"]
+    assert {cls.__module__ for cls in RUNNERS.values()} <= reached
+
+
+# What runs the product: `python -m` entry points (make install's kernel build and make proto included), the Python
+# API, and the Hydra callbacks conf/ names (their `_target_` modules are added by the test).
+ENTRY_POINTS = ("appliance.__main__", "appliance.cli", "appliance.sweep.__main__", "appliance.client",
+                "appliance.offline", "npu.worker", "npu.cpu_kernels", "appliance.serve.api.generate")
+
+
+def test_every_module_of_the_package_serves_the_product():
+    """The installed package holds no test-only module (scripted devices, checkpoint writers live in tests/):
+    every module is imported, directly or not, by an entry point of the product."""
+    graph = internal_graph()
+    targets = {line.split("_target_:")[1].strip() for f in (REPO / "conf").rglob("*.yaml")
+               for line in f.read_text().splitlines() if "_target_:" in line}
+    roots = [m for m in ENTRY_POINTS if m in graph]
+    roots += [m for t in targets for m in [t.rpartition(".")[0]] if m in graph]
+    reached: set[str] = set()
+    stack = list(roots)
+    while stack:
+        module = stack.pop()
+        if module not in reached:
+            reached.add(module)
+            stack += graph[module] | {p for p in graph if module.startswith(p + ".")}   # its packages run too
+    assert sorted(set(graph) - reached) == []

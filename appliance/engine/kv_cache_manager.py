@@ -15,15 +15,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.page_table import PageTable, new_page_table
 from appliance.engine.prefix_cache import extend_block_hashes
-
-if TYPE_CHECKING:
-    from appliance.core.planner import CapacityPlan
 
 
 class KvCapacityError(RuntimeError):
@@ -89,50 +86,40 @@ class KvCacheManager:
         self._num_seqs = [0] * num_partitions
 
     # -- sizing ------------------------------------------------------------------------------------
-    def initialize(self, primary_num_blocks: int, group_num_blocks: Mapping[str, int] | None = None) -> None:
-        """Create every pool from the reported capacity (per partition).
+    def initialize(self, num_blocks: Mapping[str, int]) -> None:
+        """Create every pool (per partition) with the pages per group the planner gives (CapacityPlan.num_blocks).
 
-        One group: any positive count. Several groups: the primary (first group's) count must be a positive
-        multiple of its max_blocks_per_seq; slots = primary // that, and every group gets slots x its
-        max_blocks_per_seq. Explicit per-group counts must agree exactly (an error, never a guess).
+        One group: any positive count. Several groups: every count is the same number of capacity slots times
+        the group's max_blocks_per_seq; counts that disagree are an error, never a guess.
         """
         if self._seqs:
             raise RuntimeError(f"cannot re-initialize while {len(self._seqs)} requests hold pages")
-        counts = self._resolve_counts(primary_num_blocks, group_num_blocks or {})
+        counts = self._checked_counts(num_blocks)
         self._pools = [{s.name: BlockPool(s.name, counts[s.name]) for s in self.specs}
                        for _ in range(self.num_partitions)]
         self._new_pages = [{s.name: [] for s in self.specs} for _ in range(self.num_partitions)]
 
-    def initialize_from_plan(self, plan: CapacityPlan) -> None:
-        """initialize() with a planner result (e.g. StartupReport.plan)."""
-        first = self.specs[0].name
-        if first not in plan.num_blocks:
-            raise ValueError(f"capacity plan has no cache group {first!r}; it has {sorted(plan.num_blocks)}")
-        self.initialize(plan.num_blocks[first], plan.num_blocks)
-
-    def _resolve_counts(self, primary: int, given: Mapping[str, int]) -> dict[str, int]:
+    def _checked_counts(self, num_blocks: Mapping[str, int]) -> dict[str, int]:
+        names = [s.name for s in self.specs]
+        if sorted(num_blocks) != sorted(names):
+            raise ValueError(f"num_blocks must give the cache groups {names}; it gives {list(num_blocks)}")
+        for name in names:
+            count = num_blocks[name]
+            if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+                raise ValueError(f"num_blocks[{name!r}] must be a positive int, got {count!r}")
         first = self.specs[0]
-        if isinstance(primary, bool) or not isinstance(primary, int):
-            raise ValueError(f"primary_num_blocks must be an int, got {primary!r}")
         if len(self.specs) == 1:
-            if primary <= 0:
-                raise ValueError(f"primary_num_blocks for group {first.name!r} must be positive, got {primary}")
-            expected, how = {first.name: primary}, "the primary count"
-        else:
-            mbps = first.max_blocks_per_seq
-            if primary <= 0 or primary % mbps:
-                raise ValueError(
-                    f"primary_num_blocks {primary} for group {first.name!r} must be a positive multiple of its "
-                    f"max_blocks_per_seq {mbps} (one capacity slot); the planner reports slots x {mbps}")
-            slots = primary // mbps
-            expected = {s.name: slots * s.max_blocks_per_seq for s in self.specs}
-            how = f"{slots} slots x max_blocks_per_seq"
-        for name, count in given.items():
-            if name not in expected:
-                raise ValueError(f"group_num_blocks names unknown cache group {name!r}; groups: {list(expected)}")
-            if count != expected[name]:
-                raise ValueError(f"group {name!r}: expected {expected[name]} blocks ({how}), given {count}")
-        return expected
+            return {first.name: num_blocks[first.name]}
+        mbps = first.max_blocks_per_seq
+        if num_blocks[first.name] % mbps:
+            raise ValueError(f"num_blocks[{first.name!r}] = {num_blocks[first.name]} must be a multiple of its "
+                             f"max_blocks_per_seq {mbps} (one capacity slot); the planner gives slots x {mbps}")
+        slots = num_blocks[first.name] // mbps
+        for s in self.specs:
+            if num_blocks[s.name] != slots * s.max_blocks_per_seq:
+                raise ValueError(f"group {s.name!r}: expected {slots * s.max_blocks_per_seq} blocks ({slots} slots "
+                                 f"x max_blocks_per_seq), given {num_blocks[s.name]}")
+        return dict(num_blocks)
 
     # -- requests ----------------------------------------------------------------------------------
     def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
@@ -163,13 +150,6 @@ class KvCacheManager:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds pages; place is for new requests")
         return self._add_seq(request_id).partition
-
-    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
-        """Whether allocate() for the next num_new_tokens would succeed now (an unknown request starts at 0)."""
-        self._require_init()
-        seq = self._seqs.get(request_id) or self._new_seq(request_id)
-        demand = self._demand(seq, seq.num_computed + num_new_tokens)
-        return all(len(new) <= free for new, free in demand.values())
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int) -> dict[str, list[int]]:
         """Reserve, in every group at once, the pages for computing the next num_new_tokens tokens.
@@ -261,28 +241,12 @@ class KvCacheManager:
     def partition_of(self, request_id: str) -> int:
         return self._get(request_id).partition
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._seqs
-
-    def num_computed_tokens(self, request_id: str) -> int:
-        return self._get(request_id).num_computed
-
-    def num_cached_tokens(self, request_id: str) -> int:
-        """Prompt tokens served by the prefix cache (usage.cached_prompt_tokens)."""
-        return self._get(request_id).num_cached
-
     def num_free_blocks(self, group: str | None = None, partition: int | None = None) -> int:
         """Free plus evictable pages of a group (default: the first group), on one or all partitions."""
         return sum(pools[self._group_name(group)].num_free for pools in self._partitions(partition))
 
     def num_total_blocks(self, group: str | None = None, partition: int | None = None) -> int:
         return sum(pools[self._group_name(group)].num_pages for pools in self._partitions(partition))
-
-    def page_refcount(self, group: str, page: int, partition: int = 0) -> int:
-        return self._partitions(partition)[0][self._group_name(group)].refcount(page)
-
-    def is_cached_page(self, group: str, page: int, partition: int = 0) -> bool:
-        return self._partitions(partition)[0][self._group_name(group)].is_cached(page)
 
     # -- internals ---------------------------------------------------------------------------------
     def _demand(self, seq: _Seq, target: int) -> dict[str, tuple[range, int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.core.request import TokenLogprob
 from appliance.engine.sequence import Sequence
 from npu.sampler import token_logprobs
 from npu.step import SeqStep, logits_offsets
@@ -23,6 +24,14 @@ def wants_prompt_logits(seq: Sequence, start: int, num_tokens: int) -> bool:
     if got is None or len(got) >= seq.num_prompt_tokens:
         return False
     return start <= len(got) - 1 < start + num_tokens
+
+
+def asked_prompt_logprobs(seq: Sequence) -> tuple[list[TokenLogprob | None], int]:
+    """The prompt logprobs seq collects and the top tokens each carries: only a request that asked has rows for them."""
+    got, top = seq.prompt_logprobs, seq.params.prompt_logprobs
+    if got is None or top is None:
+        raise ValueError(f"request {seq.request_id!r} did not ask for prompt logprobs")
+    return got, top
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ def logits_rows(steps: list[tuple[Sequence, SeqStep]]) -> LogitsRows:
     for seq, step in steps:
         offsets = logits_offsets(step)
         if step.all_logits:
-            first_missing = len(seq.prompt_logprobs) - 1          # position predicting the first missing token
+            first_missing = len(asked_prompt_logprobs(seq)[0]) - 1          # position predicting the first missing token
             positions = [step.start_pos + k for k in offsets
                          if first_missing <= step.start_pos + k < seq.num_prompt_tokens - 1]
             if positions:
@@ -61,10 +70,10 @@ def add_prompt_logprobs(logits: torch.Tensor, rows: LogitsRows) -> None:
         return
     flat = [r for _, seq_rows, _ in rows.prompt_rows for r in seq_rows]
     targets = [t for _, _, seq_targets in rows.prompt_rows for t in seq_targets]
-    tops = [seq.params.prompt_logprobs for seq, seq_rows, _ in rows.prompt_rows for _ in seq_rows]
+    tops = [asked_prompt_logprobs(seq)[1] for seq, seq_rows, _ in rows.prompt_rows for _ in seq_rows]
     found = iter(token_logprobs(logits.index_select(0, torch.tensor(flat, device=logits.device)), targets, tops))
     for seq, seq_rows, _ in rows.prompt_rows:
-        seq.prompt_logprobs.extend(next(found) for _ in seq_rows)
+        asked_prompt_logprobs(seq)[0].extend(next(found) for _ in seq_rows)
 
 
 def sampled_logprobs(logits: torch.Tensor, params: list, tokens: list[int]) -> list:

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from appliance.core.request import (
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
+from appliance.core.tokenizer import Tokenizer
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, wants_prompt_logits
 from appliance.engine.preflight import Preflight, preflight
@@ -42,9 +43,17 @@ from npu.backends import Backend
 from npu.device_group import RanksLostError, start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler
-from npu.step import SeqStep, StepBatch
+from npu.step import SeqStep, StepBatch, StepExecutor
 
 log = logging.getLogger("appliance.engine.loop")
+T = TypeVar("T")
+
+
+def started(part: T | None) -> T:
+    """A part the engine builds in start() (the loop's scheduler, KV manager, runner, sampler): refused before."""
+    if part is None:
+        raise EngineUnavailableError("the engine is starting")
+    return part
 
 
 class RequestHandle:
@@ -73,12 +82,12 @@ class Engine:
         self.rc = rc
         self.backend: Backend | None = None        # opened by the preflight (prepare)
         self.report: StartupReport | None = None
-        self.tokenizer = None
-        self.kv_cache_manager = None
+        self.kv_cache_manager: KvCacheManager | None = None
         self.scheduler: Scheduler | None = None
-        self._runner = None
-        self._sampler = None
-        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._runner: StepExecutor | None = None
+        self._sampler: Sampler | None = None
+        # ("add" | "abort", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
+        self._inbox: queue.Queue[tuple[str, Sequence | threading.Event | None]] = queue.Queue()
         # request_id -> its live Sequence. An id leaves at once when its request finishes or is aborted (not
         # when the loop gets to the abort), so a client may reuse it the moment its call ends.
         self._in_flight: dict[str, Sequence] = {}
@@ -99,6 +108,11 @@ class Engine:
     def ready(self) -> bool:
         return self.report is not None and not self._draining
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer, which the preflight loads (run now if it has not run yet)."""
+        return self.prepare().tokenizer
+
     def prepare(self) -> Preflight:
         """Run the startup checks that need no device work (appliance.engine.preflight), once; a server calls
         this before binding its port, start() otherwise."""
@@ -115,9 +129,8 @@ class Engine:
         exist for two cores it lets idle workers sleep almost at once, so every op then waits to wake them
         (a qwen3 decode step at 64 rows, 2 threads: 12 ms with one pool, 20 ms with two)."""
         checked = self.prepare()
-        self.tokenizer = checked.tokenizer
         self.limits = RequestLimits(self.rc.model.layout.vocab_size, self.rc.max_model_len,
-                                    self.tokenizer.max_token_bytes)
+                                    checked.tokenizer.max_token_bytes)
         self.backend = checked.backend
         launched: Future[StartupReport] = Future()
         self._thread = threading.Thread(target=self._launch_and_loop, args=(checked, launched), name="engine-loop",
@@ -129,19 +142,19 @@ class Engine:
         self.report = report
         return report
 
-    def _launch_and_loop(self, checked: Preflight, launched: Future) -> None:
+    def _launch_and_loop(self, checked: Preflight, launched: Future[StartupReport]) -> None:
         try:
+            runner: StepExecutor
             if world_size(self.rc.parallel) > 1:       # one process per device: this one owns the others' steps
                 runner, report = start_ranks(self.rc, checked.backend, checked.runner)
             else:
                 runner, report = launch(self.rc, checked.backend, checked.runner)
             manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                      enable_prefix_caching=self.rc.enable_prefix_caching,
-                                     num_partitions=self.rc.parallel.data_parallel_size)
-            manager.initialize_from_plan(report.plan)
+                                     num_partitions=self.rc.parallel.data_parallel_size or 1)
+            manager.initialize(report.plan.num_blocks)
             self._runner, self.kv_cache_manager = runner, manager
-            if hasattr(runner, "watch"):               # spawned ranks: a dead one is noticed while idle too
-                runner.watch(self._device_lost)
+            runner.watch(self._device_lost)            # spawned ranks: a dead one is noticed while idle too
             self._sampler = Sampler(runner.device, self.rc.seed)
             self.scheduler = Scheduler(self.rc, manager)
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which re-raises it on the caller's thread
@@ -197,7 +210,7 @@ class Engine:
             raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self.report is None or self._draining:
             raise EngineUnavailableError("the engine is starting" if self.report is None else "the engine is draining")
-        prompt_ids = validate_request(request_id, prompt, params, self.limits, self.tokenizer.encode)
+        prompt_ids = validate_request(request_id, prompt, params, started(self.limits), self.tokenizer.encode)
         handle = RequestHandle(self, request_id)
         seq = Sequence(request_id, prompt_ids, params, on_output or handle.outputs.put)
         handle.seq = seq
@@ -228,12 +241,6 @@ class Engine:
             self._inbox.put(("abort", seq))
 
     # -- introspection (tests, metrics) --------------------------------------------------------------
-    def kv_free_blocks(self) -> dict[str, int]:
-        return {s.name: self.kv_cache_manager.num_free_blocks(s.name) for s in self.rc.model.cache_groups}
-
-    def kv_total_blocks(self) -> dict[str, int]:
-        return {s.name: self.kv_cache_manager.num_total_blocks(s.name) for s in self.rc.model.cache_groups}
-
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
@@ -243,7 +250,7 @@ class Engine:
         return self._stats.snapshot()
 
     def _publish_stats(self) -> None:
-        sched, kv = self.scheduler, self.kv_cache_manager
+        sched, kv = started(self.scheduler), started(self.kv_cache_manager)
         self._stats.publish(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
             prefix_cache_queries=kv.prefix_stats.query_tokens, prefix_cache_hits=kv.prefix_stats.hit_tokens,
@@ -252,8 +259,8 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self.backend.set_device(RUNNER_DEVICE)
-        sched = self.scheduler
+        started(self.backend).set_device(RUNNER_DEVICE)
+        sched = started(self.scheduler)
         by_id: dict[str, Sequence] = {}
         while not self._stop.is_set() and self.failure is None:
             self._publish_stats()
@@ -265,12 +272,12 @@ class Engine:
             else:
                 kind, item = self._inbox.get()  # idle: block until a request (or shutdown) arrives
             while kind is not None:
-                if kind == "add":
+                if kind == "add" and isinstance(item, Sequence):
                     by_id[item.request_id] = item
                     sched.add(item)
-                elif kind == "abort" and by_id.get(item.request_id) is item:
+                elif kind == "abort" and isinstance(item, Sequence) and by_id.get(item.request_id) is item:
                     self._finish(by_id.pop(item.request_id), FinishReason.ABORTED)
-                elif kind == "flush":
+                elif kind == "flush" and isinstance(item, threading.Event):
                     item.set()
                 try:
                     kind, item = self._inbox.get_nowait()
@@ -286,10 +293,10 @@ class Engine:
         if self.failure is not None:          # requests still in the inbox: none can be added after the failure
             while not self._inbox.empty():
                 kind, item = self._inbox.get_nowait()
-                if kind == "add":
+                if kind == "add" and isinstance(item, Sequence):
                     by_id[item.request_id] = item
                     sched.add(item)
-                elif kind == "flush":
+                elif kind == "flush" and isinstance(item, threading.Event):
                     item.set()
         for seq in list(by_id.values()):
             seq.error = self.failure
@@ -302,7 +309,7 @@ class Engine:
 
         The step's new pages go to every retry until one runs: a runner zeroes new state pages before use, and
         pages announced only to a step that failed would otherwise keep another request's stale rows."""
-        kv = self.kv_cache_manager
+        kv = started(self.kv_cache_manager)
         new_pages = [kv.take_new_pages(p) for p in range(kv.num_partitions)]
         try:
             return self._execute(scheduled, new_pages)
@@ -328,7 +335,7 @@ class Engine:
     def _execute(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
         """One step. Several data-parallel ranks (KV partitions) each get the batch of their own sequences; the
         logits come back in partition order, so the scheduled sequences are put in that order first."""
-        kv = self.kv_cache_manager
+        kv, runner, sampler = started(self.kv_cache_manager), started(self._runner), started(self._sampler)
         if kv.num_partitions > 1:
             scheduled = sorted(scheduled, key=lambda s: kv.partition_of(s.seq.request_id))
         batches = [StepBatch(seqs=[], new_pages=pages) for pages in new_pages]
@@ -342,15 +349,15 @@ class Engine:
             batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(step)
             steps.append((s.seq, step))
         if kv.num_partitions > 1:
-            logits = self._runner.execute_partitions(batches)
+            logits = runner.execute_partitions(batches)
         else:
-            logits = self._runner.execute(batches[0])
+            logits = runner.execute(batches[0])
         rows = logits_rows(steps)
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)
             logits = logits.index_select(0, torch.tensor(rows.sample_rows, device=logits.device))
         samplers = [s for s in scheduled if s.samples]
-        tokens = self._sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
+        tokens = sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
         logprobs = sampled_logprobs(logits, [s.seq.params for s in samplers], tokens)
         self.steps += 1
         for s in scheduled:
@@ -370,7 +377,8 @@ class Engine:
         self._stats.record_step(
             prompt_tokens=sum(seq.num_prompt_tokens for seq in first),
             first_token_latencies=[now - seq.arrival_time for seq in first],
-            inter_token_latencies=[now - seq.last_token_time for seq in seqs if seq.output_token_ids],
+            inter_token_latencies=[now - seq.last_token_time for seq in seqs
+                                   if seq.output_token_ids and seq.last_token_time is not None],
             generation_tokens=len(seqs))
         for seq in seqs:
             seq.last_token_time = now
@@ -386,9 +394,10 @@ class Engine:
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.rc.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):   # those tokens add no text
-            if seq.detokenizer is None:
-                seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)
-            delta = seq.detokenizer.push(token)
+            detokenizer = seq.detokenizer
+            if detokenizer is None:
+                detokenizer = seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)
+            delta = detokenizer.push(token)
             seq.text += delta
             if p.stop:
                 # Only the new text, plus what a stop string could straddle, can hold a new match.
@@ -413,8 +422,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int] | None = None,
                 new_text: str = "") -> None:
         seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        self._sampler.release(seq.request_id)
+        started(self.scheduler).remove(seq)
+        started(self._sampler).release(seq.request_id)
         seq.num_text_emitted += len(new_text)
         with self._lock:
             if self._in_flight.get(seq.request_id) is seq:

@@ -112,6 +112,8 @@ class PageTable(ABC):
         hit = self.hit_pages(blocks)
         for logical in hit:
             page = self.pool.lookup(self.cache_key(hashes, logical))
+            if page is None:
+                raise KeyError(f"logical page {logical} of a {blocks}-block hit is not cached (ask longest_hit first)")
             self.pool.share(page)
             self._hold(logical, page)
         self.num_pages = blocks * self.pages_per_block

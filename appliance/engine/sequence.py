@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Callable
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+from appliance.core.tokenizer import IncrementalDetokenizer
 
 _arrival = itertools.count()
 
@@ -25,7 +26,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step (read every step)
-        self.detokenizer = None            # set by the engine: turns each new token into a text delta
+        self.detokenizer: IncrementalDetokenizer | None = None   # set by the engine: each new token's text delta
         self.params = params
         self.on_output = on_output
         self.arrival = next(_arrival)

@@ -71,6 +71,7 @@ from appliance.serve.openai_api import (
     request_field_names,
 )
 from appliance.serve.ports import suggested_port
+from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
 
 
@@ -78,9 +79,9 @@ class ServingState(Protocol):
     """What the HTTP front end reads from the server it runs beside (appliance.serve.server.ApplianceServer)."""
 
     rc: RuntimeConfig
-    engine: Any                 # the Engine, or a stand-in with its interface
+    engine: EngineClient
     executor: Executor          # runs engine.submit off the event loop
-    state: str                  # starting | serving | draining | stopped
+    state: ServerState
 
 
 log = logging.getLogger("appliance.serve.http")
@@ -117,7 +118,7 @@ class OpenAIRoutes:
     # -- shared --------------------------------------------------------------------------------------
     def _check_serving(self, model: str | None) -> None:
         state = self.server.state
-        if state != "serving":
+        if state is not ServerState.SERVING:
             raise ApiError(503, f"the engine is {state}; retry when GET /health answers 200",
                            type_="service_unavailable")
         if model is not None and model != self.model:
@@ -376,7 +377,7 @@ class OpenAIRoutes:
 
     async def health(self) -> Response:
         state = self.server.state
-        return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
+        return JSONResponse({"status": state}, status_code=200 if state is ServerState.SERVING else 503)
 
 
 def _request_error(exc: RequestError, renamed: dict[str, str]) -> ApiError:

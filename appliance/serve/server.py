@@ -6,6 +6,9 @@ max_num_seqs + max_waiting_requests streams (272 by default) would need that man
 thread hands each delta to the event loop with call_soon_threadsafe; blocking engine calls (start, submit,
 drain, shutdown) run off the loop, so health checks and Startup answer while the engine loads.
 
+The server (ApplianceServer) holds the state and the engine and starts its two front ends side by side: gRPC
+(GrpcFrontEnd, below) and the OpenAI-compatible HTTP (appliance/serve/http.py), both reading one ServerState.
+
 Lifecycle of `serve(rc)`: bind both ports (print "listening on HOST:PORT"), health NOT_SERVING ->
 engine.start() in a thread -> print the startup report and write startup_report.json -> health SERVING. On
 SIGTERM/SIGINT: health NOT_SERVING, refuse new Generate calls (UNAVAILABLE), engine.drain(grace_period_s),
@@ -24,7 +27,7 @@ import socket
 import sys
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -56,6 +59,7 @@ from appliance.serve.convert import (
 from appliance.serve.http import HttpBindError, HttpFrontEnd
 from appliance.serve.malformed import MalformedRequestInterceptor
 from appliance.serve.ports import suggested_port
+from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import open_stream
 from appliance.serve.tls import load_tls_pair
 
@@ -93,7 +97,7 @@ class ApplianceService(pb_grpc.ApplianceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         srv = self._server
-        if srv.state != "serving":
+        if srv.state is not ServerState.SERVING:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is {srv.state}; retry when health is SERVING")
         request_id = request.request_id or uuid.uuid4().hex
         try:
@@ -119,7 +123,7 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                     finished = True
                     if out.new_token_ids or out.new_text:
                         yield generate_response(RequestOutput(out.request_id, out.new_token_ids, out.new_text))
-                    if getattr(srv.engine, "failure", None) is not None:     # the engine stopped (a rank died)
+                    if srv.engine.failure is not None:     # the engine stopped (a rank died)
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {out.error}; "
                                             f"the server is shutting down (retry after it restarts)")
                     await context.abort(grpc.StatusCode.INTERNAL,
@@ -172,35 +176,96 @@ def bind_failure(host: str, port: int, exc: OSError | None, taken_ports: tuple[i
             f"server.host=127.0.0.1 (or 0.0.0.0 with TLS or server.insecure=true), or another server.port")
 
 
+# -- the gRPC front end ---------------------------------------------------------------------------------
+
+class GrpcFrontEnd:
+    """grpc.aio serving the Appliance service, grpc.health.v1 and reflection; the server binds and starts it beside
+    the HTTP front end."""
+
+    def __init__(self, server: "ApplianceServer", tls: tuple[bytes, bytes] | None):
+        self.server = server
+        self.port: int | None = None
+        self._tls = tls
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+
+    async def open(self) -> None:
+        """The grpc.aio server with its services, health NOT_SERVING (on the event loop, not yet bound)."""
+        srv = self.server.rc.server
+        options = [("grpc.max_send_message_length", srv.max_message_bytes),
+                   ("grpc.max_receive_message_length", srv.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if srv.auth_token:
+            interceptors.append(BearerTokenInterceptor(srv.auth_token))
+        interceptors.append(MalformedRequestInterceptor())
+        self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
+        pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self.server), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc)
+        await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def bind(self) -> int:
+        """Bind server.host:server.port (checked free first: see check_port_free); the port bound."""
+        srv = self.server.rc.server
+        assert self._grpc is not None, "open() first"
+        port = 0
+        try:
+            bind = host_port(srv.host, srv.port)
+            if self._tls is not None:
+                port = self._grpc.add_secure_port(bind, grpc.ssl_server_credentials([self._tls]))
+            else:
+                port = self._grpc.add_insecure_port(bind)
+        except RuntimeError:          # grpc raises "Failed to bind"; older releases return 0
+            pass
+        if not port:
+            raise ServerBindError(bind_failure(srv.host, srv.port, None))
+        self.port = port
+        return port
+
+    async def start(self) -> None:
+        assert self._grpc is not None, "open() first"
+        await self._grpc.start()
+
+    async def stop(self, budget_s: float) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(budget_s)
+
+    async def set_health(self, status: int) -> None:
+        for name in HEALTH_SERVICES:
+            await self._health.set(name, status)
+
+
 # -- server --------------------------------------------------------------------------------------------
 
 class ApplianceServer:
-    """One gRPC server around one engine. `run()` is the whole lifecycle; `request_shutdown()` ends it."""
+    """One engine and its two front ends, gRPC and HTTP (server.http_port; null: gRPC only), started side by side.
+    `run()` is the whole lifecycle; `request_shutdown()` ends it."""
 
-    def __init__(self, rc: RuntimeConfig, engine: Any, output_dir: Path | None = None):
+    def __init__(self, rc: RuntimeConfig, engine: EngineClient, output_dir: Path | None = None):
         self.rc = rc
         self.engine = engine
         self.output_dir = output_dir                 # where startup_report.json goes (the Hydra job dir)
-        self.state = "starting"                      # starting | serving | failed | draining | stopped
+        self.state = ServerState.STARTING
         self.failure: str | None = None              # why the engine stopped while serving: the process exits 1
         self.report: StartupReport | None = None
         self.startup_message: pb.StartupResponse | None = None
         self.start_error: BaseException | None = None
         self.port: int | None = None
         self.open_streams: set = set()               # RequestStreams of both front ends not yet finished
-        self.executor = ThreadPoolExecutor(max_workers=rc.server.workers, thread_name_prefix="grpc-submit")
+        self.executor: Executor = ThreadPoolExecutor(max_workers=rc.server.workers, thread_name_prefix="grpc-submit")
         self.ready: asyncio.Event | None = None      # set when the engine start finished (well or not)
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: grpc.aio.Server | None = None
-        self._health = health_aio.HealthServicer()
-        self._tls = load_tls_pair(rc.server)        # checked here, before the engine's preflight and the bind
+        # The TLS pair is checked here, before the engine's preflight and the bind.
+        self.grpc = GrpcFrontEnd(self, load_tls_pair(rc.server))
         warning = token_file_warning(rc.server.auth_token_file)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         self.http = HttpFrontEnd(self) if rc.server.http_port is not None else None   # OpenAI-compatible HTTP
-        if hasattr(engine, "on_failure"):
-            engine.on_failure = self._engine_failed
+        engine.on_failure = self._engine_failed
 
     @property
     def address(self) -> str:
@@ -215,7 +280,7 @@ class ApplianceServer:
         """Engine thread: the engine stopped for good (a rank died). Health NOT_SERVING at once, then the usual
         shutdown (the ranks stopped), and `serve` exits non-zero so a service manager restarts the server."""
         def fail() -> None:
-            self.failure, self.state = message, "failed"
+            self.failure, self.state = message, ServerState.FAILED
             print(f"error: the engine stopped: {message}; shutting down", file=sys.stderr, flush=True)
             asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
             self._stop.set()
@@ -229,13 +294,7 @@ class ApplianceServer:
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop.set)
-        try:
-            await self._start_grpc()
-        except BaseException:
-            if self.http is not None:
-                self.http.close_unstarted()
-            raise
-        await self._start_http()
+        await self._start_front_ends()
         start = self._start_engine()
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -248,7 +307,7 @@ class ApplianceServer:
             self.start_error = start.exception()
             self.ready.set()
             await self._stop_http(FLUSH_GRACE_S)
-            await self._server.stop(FLUSH_GRACE_S)
+            await self.grpc.stop(FLUSH_GRACE_S)
             self.executor.shutdown(wait=False)
             raise self.start_error
         await self._on_started(start.result())
@@ -267,8 +326,8 @@ class ApplianceServer:
         print(f"shutdown requested during engine start; stopping without serving (the start may take up to "
               f"{self.rc.server.grace_period_s + SHUTDOWN_TAIL_S:g} s more to wind down)", flush=True)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.state = "stopped"
-        await asyncio.gather(self._stop_http(FRONT_ENDS_STOP_S), self._server.stop(0))
+        self.state = ServerState.STOPPED
+        await asyncio.gather(self._stop_http(FRONT_ENDS_STOP_S), self.grpc.stop(0))
         await asyncio.wait({start}, timeout=max(deadline - self._loop.time(), 0.0))
         if start.done() and start.exception() is None:
             await self._within(deadline, self.engine.shutdown)
@@ -300,42 +359,28 @@ class ApplianceServer:
             fut.result()
         return bool(done)
 
-    async def _start_grpc(self) -> None:
+    async def _start_front_ends(self) -> None:
+        """Both front ends, side by side: each port is bound before either says it listens (a busy one stops the
+        start before anything is announced), then gRPC starts, then HTTP."""
         srv = self.rc.server
-        options = [("grpc.max_send_message_length", srv.max_message_bytes),
-                   ("grpc.max_receive_message_length", srv.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]       # a second server on a busy port must fail, not share it
-        interceptors = [BearerTokenInterceptor(srv.auth_token)] if srv.auth_token else []
-        interceptors.append(MalformedRequestInterceptor())
-        self._server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_ApplianceServicer_to_server(ApplianceService(self), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        bind = host_port(srv.host, srv.port)
-        check_port_free(srv.host, srv.port, (srv.http_port,))
-        if self.http is not None:        # checked before "listening on": a busy HTTP port stops the start here
-            try:
-                self.http.bind(taken_ports=(srv.port,))
-            except HttpBindError as exc:
-                raise ServerBindError(str(exc)) from None
-        port = 0
         try:
-            if self._tls is not None:
-                port = self._server.add_secure_port(bind, grpc.ssl_server_credentials([self._tls]))
-            else:
-                port = self._server.add_insecure_port(bind)
-        except RuntimeError:          # grpc raises "Failed to bind"; older releases return 0
-            pass
-        if not port:
-            raise ServerBindError(bind_failure(srv.host, srv.port, None))
-        self.port = port
-        await self._server.start()
+            await self.grpc.open()
+            check_port_free(srv.host, srv.port, (srv.http_port,))
+            if self.http is not None:
+                try:
+                    self.http.bind(taken_ports=(srv.port,))
+                except HttpBindError as exc:
+                    raise ServerBindError(str(exc)) from None
+            self.port = self.grpc.bind()
+            await self.grpc.start()
+        except BaseException:
+            if self.http is not None:
+                self.http.close_unstarted()
+            raise
         tls = "TLS" if srv.tls_cert_file else "plaintext"
         print(f"listening on {self.address} ({tls}{', bearer token' if srv.auth_token else ''}); "
               f"health NOT_SERVING while the engine starts", flush=True)
+        await self._start_http()
 
     async def _start_http(self) -> None:
         """The OpenAI-compatible HTTP front end beside gRPC (server.http_port; null disables it)."""
@@ -344,7 +389,7 @@ class ApplianceServer:
         try:
             port = await self.http.start(FLUSH_GRACE_S)
         except BaseException as exc:
-            await self._server.stop(0)
+            await self.grpc.stop(0)
             if isinstance(exc, HttpBindError):
                 raise ServerBindError(str(exc)) from None
             raise
@@ -389,7 +434,7 @@ class ApplianceServer:
         if path:
             print(f"startup report written to {path}", flush=True)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.state = "serving"
+        self.state = ServerState.SERVING
         self.ready.set()
         print(f"SERVING on {self.address}", flush=True)
 
@@ -400,7 +445,7 @@ class ApplianceServer:
         grace = self.rc.server.grace_period_s
         deadline = self._loop.time() + grace + SHUTDOWN_TAIL_S - EXIT_RESERVE_S
         print(f"shutting down: health NOT_SERVING, draining for up to {grace} s", flush=True)
-        self.state = "failed" if self.failure is not None else "draining"
+        self.state = ServerState.FAILED if self.failure is not None else ServerState.DRAINING
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         drained = await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
         if not drained:                          # the engine could not finish the streams in time: end them here
@@ -408,19 +453,18 @@ class ApplianceServer:
                 stream.end_aborted()
             await asyncio.sleep(0)               # let their handlers send the finish
         budget = max(deadline - self._loop.time() - 0.1, 0.0) / 2   # half to the front ends, half to the engine
-        await asyncio.gather(self._stop_http(budget), self._server.stop(budget))
-        self.state = "stopped"
+        await asyncio.gather(self._stop_http(budget), self.grpc.stop(budget))
+        self.state = ServerState.STOPPED
         stopped = await self._within(deadline, self.engine.shutdown)
         self.executor.shutdown(wait=False)
         print("stopped" if stopped else "stopped (the engine was still stopping; the process ends anyway)",
               flush=True)
 
     async def _set_health(self, status: int) -> None:
-        for name in HEALTH_SERVICES:
-            await self._health.set(name, status)
+        await self.grpc.set_health(status)
 
 
-def serve(rc: RuntimeConfig, engine: Any = None, output_dir: Path | None = None) -> dict[str, Any]:
+def serve(rc: RuntimeConfig, engine: EngineClient | None = None, output_dir: Path | None = None) -> dict[str, Any]:
     """mode=serve: run the server until SIGTERM/SIGINT.
 
     Before the port is bound: the TLS pair loads, then the engine's preflight (checkpoint files, backend, whether

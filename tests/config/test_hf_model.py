@@ -12,7 +12,7 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.archs import HF_ARCHITECTURES
 from appliance.core.errors import ConfigError
-from npu.checkpoint import write_tiny_checkpoint
+from tests.support.checkpoints import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.checkpoint_files import check_checkpoint_files, read_tensor_headers
 from appliance.core.errors import CheckpointError, StartupError, TokenizerError
 from appliance.core.tokenizer import load_tokenizer_for
-from npu.checkpoint import write_tiny_checkpoint
 from npu.qwen3 import Qwen3Runner
+from tests.support.checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import appliance.engine.loop as engine_loop
 from appliance.core.config import ModelSpec, RuntimeConfig
 from appliance.core.startup_report import StartupReport
 from appliance.engine.loop import Engine
-from npu.fake import ShapeOnlyRunner
 from npu.launcher import launch
 from npu.registry import runner_class
 from npu.runner import ModelRunner
 from npu.step import StepBatch
+from tests.support.fake_device import ShapeOnlyRunner
 
 HOLD_TIMEOUT_S = 60      # a held step goes on by itself after this long, so a failing test cannot hang
 

@@ -8,6 +8,7 @@ import pytest
 
 from appliance.core.request import FinishReason, SamplingParams
 from appliance.offline import Appliance
+from tests.support.kv import free_blocks, total_blocks
 
 MODELS = {
     "qwen3_tiny": ["+model=qwen3_tiny", "device=cpu", "max_model_len=256"],
@@ -51,7 +52,7 @@ def test_preemption_keeps_greedy_outputs(reference):
     with Appliance.from_config(small) as app:
         results = app.generate(batch, greedy(24))
         preemptions = app.engine.scheduler.num_preemptions
-        assert app.engine.kv_free_blocks() == app.engine.kv_total_blocks()
+        assert free_blocks(app.engine) == total_blocks(app.engine)
     assert preemptions > 0
     assert [r.token_ids for r in results] == alone
 
@@ -97,7 +98,7 @@ def test_abort_mid_stream_frees_every_block(reference):
         assert done.wait(120)
         assert all(o.finish_reason is FinishReason.ABORTED for o in finals.values())
         assert all(3 <= seen[r] < 100 for r in finals)
-        assert engine.kv_free_blocks() == engine.kv_total_blocks()
+        assert free_blocks(engine) == total_blocks(engine)
         # The engine keeps serving after the aborts.
         again = app.generate([batch[0]], greedy(4))[0]
         assert len(again.token_ids) == 4
@@ -137,4 +138,4 @@ def test_an_aborted_request_id_is_free_at_once():
             assert [t for o in outs for t in o.new_token_ids] == expected
             assert list(old)[-1].finish_reason is FinishReason.ABORTED
         assert engine.num_in_flight() == 0
-        assert engine.kv_free_blocks() == engine.kv_total_blocks()
+        assert free_blocks(engine) == total_blocks(engine)

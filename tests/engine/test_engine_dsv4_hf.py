@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.checkpoint import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
+from tests.support.checkpoints import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

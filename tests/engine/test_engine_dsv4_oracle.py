@@ -9,7 +9,7 @@ import torch
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.checkpoint import write_tiny_checkpoint
+from tests.support.checkpoints import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

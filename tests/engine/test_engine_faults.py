@@ -16,6 +16,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from appliance.offline import Appliance
 from tests.engine.instrumented import HookedEngine, hooked_runner, loop_held, runner_for_engine
+from tests.support.kv import free_blocks, total_blocks
 
 NEW_TOKENS = 12
 
@@ -48,7 +49,7 @@ def test_pages_announced_to_a_failed_step_reach_the_next_step_that_runs():
         assert failed.finish_reason is FinishReason.ABORTED and "injected runner failure" in failed.error
         assert all(f.finish_reason is FinishReason.LENGTH and f.error is None for f in finals)
         assert [f.usage.completion_tokens for f in finals] == [NEW_TOKENS] * 3
-        assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+        assert engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
 
         states = {s.name for s in rc.model.cache_groups if s.is_ring}
         failures = [i for i, (_, raised) in enumerate(runner.announced) if raised]
@@ -91,6 +92,6 @@ def test_offline_generate_names_a_failed_request_after_every_request_finished():
         failed_id = runner.fail_from.seen[1]
         assert failed_id in str(failure.value)
         # generate returned only once the engine had finished every request (none left holding pages)
-        assert app.engine.num_in_flight() == 0 and app.engine.kv_free_blocks() == app.engine.kv_total_blocks()
+        assert app.engine.num_in_flight() == 0 and free_blocks(app.engine) == total_blocks(app.engine)
         assert [r.finish_reason for r in expected] == [FinishReason.LENGTH] * 3
         assert all(len(r.token_ids) == NEW_TOKENS and r.usage.completion_tokens == NEW_TOKENS for r in expected)

@@ -16,7 +16,8 @@ import torch
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.checkpoint import write_tiny_checkpoint
+from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.kv import free_blocks, total_blocks
 
 TOL = 1e-4
 TOP = 4
@@ -55,7 +56,7 @@ def test_logprobs_equal_transformers_log_softmax(name, oracle, tmp_path, one_tor
     with Appliance.from_config([f"+model={name}", f"model.weights={checkpoint}", *CHUNKED]) as app:
         warm = app.generate([shared + [3]], SamplingParams(max_tokens=1))          # fills the prefix cache
         results = app.generate(prompts, [greedy, sampled])
-        assert app.engine.kv_free_blocks() == app.engine.kv_total_blocks()
+        assert free_blocks(app.engine) == total_blocks(app.engine)
     assert warm[0].prompt_logprobs == [] and warm[0].logprobs == []
     for prompt, params, result in zip(prompts, [greedy, sampled], results):
         # 53 and 78 tokens at 32 per step: the prompt is prefilled in chunks, and its shared 48 tokens were cached,

@@ -19,8 +19,9 @@ import torch
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from appliance.offline import Appliance
-from npu.checkpoint import write_tiny_checkpoint
 from tests.engine.instrumented import hooked_runner, runner_for_engine
+from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.kv import free_blocks, total_blocks
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4
@@ -82,7 +83,7 @@ def run_appliance(overrides: list[str], prompts: list[list[int]]):
     with runner_for_engine(runner), Appliance.from_config(rc) as app:
         results = app.generate(prompts[:1], greedy) + app.generate(prompts[1:], greedy)
         preemptions = app.engine.scheduler.num_preemptions
-        assert app.engine.kv_free_blocks() == app.engine.kv_total_blocks()
+        assert free_blocks(app.engine) == total_blocks(app.engine)
     rows = [row for step in runner.steps for row in step if not row[0].startswith("profile")]
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     # What the oracle comparison must have gone through:

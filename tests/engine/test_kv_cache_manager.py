@@ -13,6 +13,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.planner import DeviceMemory, plan_capacity
 from appliance.engine.kv_cache_manager import KvCacheManager, KvCapacityError
 from appliance.engine.prefix_cache import extend_block_hashes
+from tests.support.kv import InspectableKvCacheManager, blocks_per_group
 
 DSV4_TINY = load_runtime_config([])
 QWEN3_TINY = load_runtime_config(["+model=qwen3_tiny"])
@@ -27,14 +28,14 @@ def spec(name, history, mbps, rows=4, tokens_per_row=1):
 
 
 def dsv4_tiny(slots=2, **kw):
-    m = KvCacheManager(DSV4_TINY.model.cache_groups, DSV4_TINY.block_size, **kw)
-    m.initialize(slots * DSV4_TINY.model.cache_groups[0].max_blocks_per_seq)
+    m = InspectableKvCacheManager(DSV4_TINY.model.cache_groups, DSV4_TINY.block_size, **kw)
+    m.initialize_slots(slots * DSV4_TINY.model.cache_groups[0].max_blocks_per_seq)
     return m
 
 
 def qwen3_tiny(blocks=16, **kw):
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, **kw)
-    m.initialize(blocks)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, **kw)
+    m.initialize_slots(blocks)
     return m
 
 
@@ -43,59 +44,62 @@ def group(rc, name):
 
 
 # -- sizing ----------------------------------------------------------------------------------------
-def test_primary_must_be_positive_multiple_of_first_group_max_blocks():
+def test_first_group_count_must_be_a_whole_number_of_slots():
     m = KvCacheManager([spec("ring", "ring", 3), spec("full", "full", 5)], block_size=4)
-    for bad in (7, 0, -3):
-        with pytest.raises(ValueError, match="positive multiple") as info:
-            m.initialize(bad)
+    for bad in (7, 4):
+        with pytest.raises(ValueError, match="multiple") as info:
+            m.initialize({"ring": bad, "full": 10})
         assert str(bad) in str(info.value) and "'ring'" in str(info.value) and "3" in str(info.value)
-    m.initialize(6)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="positive int"):
+            m.initialize({"ring": bad, "full": 10})
+    m.initialize({"ring": 6, "full": 10})
     assert (m.num_total_blocks("ring"), m.num_total_blocks("full")) == (6, 10)
 
 
-def test_explicit_group_count_that_disagrees_is_an_error_naming_group_expected_and_given():
+def test_group_count_that_disagrees_is_an_error_naming_group_expected_and_given():
     m = KvCacheManager([spec("ring", "ring", 3), spec("full", "full", 5)], block_size=4)
     with pytest.raises(ValueError) as info:
-        m.initialize(6, {"ring": 6, "full": 11})
+        m.initialize({"ring": 6, "full": 11})
     msg = str(info.value)
     assert "'full'" in msg and "expected 10" in msg and "given 11" in msg
-    with pytest.raises(ValueError, match="unknown cache group 'nope'"):
-        m.initialize(6, {"nope": 10})
-    m.initialize(6, {"ring": 6, "full": 10})
+    with pytest.raises(ValueError, match="'nope'"):
+        m.initialize({"ring": 6, "nope": 10})
+    with pytest.raises(ValueError, match="'full'"):
+        m.initialize({"ring": 6})
+    m.initialize({"ring": 6, "full": 10})
     assert m.num_total_blocks("full") == 10
 
 
 def test_single_group_accepts_any_positive_count():
     m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size)
-    m.initialize(7)                      # not a multiple of max_blocks_per_seq (32): fine for one pool
+    m.initialize({"kv": 7})              # not a multiple of max_blocks_per_seq (32): fine for one pool
     assert m.num_total_blocks() == m.num_free_blocks() == 7
     with pytest.raises(ValueError, match="positive"):
-        m.initialize(0)
-    with pytest.raises(ValueError, match=r"expected 7 blocks .*, given 8"):
-        m.initialize(7, {"kv": 8})
+        m.initialize({"kv": 0})
 
 
 def test_dsv4_reference_three_slots_at_8192():
     rc = load_runtime_config(["+model=dsv4", "max_model_len=8192"])
     m = KvCacheManager(rc.model.cache_groups, rc.block_size)
-    m.initialize(12)
+    m.initialize(blocks_per_group(m.specs, 12))
     got = {s.name: m.num_total_blocks(s.name) for s in rc.model.cache_groups}
     assert got == {"ori": 12, "cmp_c128": 192, "cmp_c4": 192, "idx": 192, "hca_state": 144,
                    "csa_state": 195, "csa_inner_state": 195}
 
 
-def test_initialize_from_plan_matches_the_plan():
+def test_initialize_with_the_plans_counts():
     specs = DSV4_TINY.model.cache_groups
     plan = plan_capacity(specs, [DeviceMemory("cpu", 1 << 30, 1 << 30, 0)], utilization=0.5, decode_batch=2,
                          max_model_len=DSV4_TINY.max_model_len, block_size=DSV4_TINY.block_size,
                          num_slots_override=3)
-    m = KvCacheManager(specs, DSV4_TINY.block_size)
-    m.initialize_from_plan(plan)
+    m = InspectableKvCacheManager(specs, DSV4_TINY.block_size)
+    m.initialize(plan.num_blocks)
     assert {s.name: m.num_total_blocks(s.name) for s in specs} == plan.num_blocks
 
 
 def test_use_before_initialize_is_a_clear_error():
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size)
     with pytest.raises(RuntimeError, match="initialize"):
         m.allocate("a", [1, 2], 2)
 
@@ -226,8 +230,8 @@ def test_take_new_pages_reports_each_assignment_once():
 
 # -- partitions ------------------------------------------------------------------------------------
 def test_partitions_place_new_requests_on_the_least_loaded_one():
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
-    m.initialize(8)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
+    m.initialize_slots(8)
     assert m.num_total_blocks() == 16 and m.num_total_blocks(partition=1) == 8
     m.allocate("a", list(range(40)), 40)
     m.allocate("b", list(range(8)), 8)

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from appliance.config.compose import load_runtime_config
-from appliance.engine.kv_cache_manager import KvCacheManager, KvCapacityError
+from appliance.engine.kv_cache_manager import KvCapacityError
+from tests.support.kv import InspectableKvCacheManager
 
 _QWEN3 = load_runtime_config(["+model=qwen3_tiny", "max_model_len=512"])
 _DSV4 = load_runtime_config([])
@@ -61,8 +62,8 @@ class Shadow:
 
     def __init__(self, specs, block_size, step_cap, pool, partitions, layout):
         self.specs, self.bs, self.cap, self.partitions, self.layout = specs, block_size, step_cap, partitions, layout
-        self.m = KvCacheManager(specs, block_size, num_partitions=partitions)
-        self.m.initialize(pool)
+        self.m = InspectableKvCacheManager(specs, block_size, num_partitions=partitions)
+        self.m.initialize_slots(pool)
         self.tokens: dict[str, list[int]] = {}
         self.done: dict[str, int] = {}
         self.content: dict[tuple[int, str, int], tuple | None] = {}

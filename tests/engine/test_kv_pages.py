@@ -10,6 +10,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.planner import DeviceMemory, plan_capacity
 from appliance.engine.kv_cache_manager import KvCacheManager, KvCapacityError
 from tests.engine.test_kv_cache_manager import run_prompt
+from tests.support.kv import InspectableKvCacheManager
 
 QWEN3_TINY = load_runtime_config(["+model=qwen3_tiny"])
 DSV4_TINY = load_runtime_config([])
@@ -23,8 +24,8 @@ def spec(name, history="full", mbps=8, rows=4):
 
 
 def qwen3(blocks=16, **kw):
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, **kw)
-    m.initialize(blocks)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, **kw)
+    m.initialize_slots(blocks)
     return m
 
 
@@ -47,44 +48,46 @@ def test_construction_refuses_bad_arguments_naming_them():
     ]
     for args, kw, expected in cases:
         with pytest.raises(ValueError) as info:
-            KvCacheManager(*args, **kw)
+            InspectableKvCacheManager(*args, **kw)
         assert message(info) == expected
 
 
 def test_one_token_blocks_and_one_token_pages_are_allowed():
     m = KvCacheManager([spec("a", rows=1), spec("b", "ring", mbps=6, rows=1)], block_size=1)
-    m.initialize(8)
+    m.initialize({"a": 8, "b": 6})
     assert (m.num_total_blocks("a"), m.num_total_blocks("b")) == (8, 6)
     m = KvCacheManager([spec("a", rows=1)], block_size=4)          # a block of 4 one-token pages
-    m.initialize(1)                                                # one page is a valid pool
+    m.initialize({"a": 1})                                         # one page is a valid pool
     assert m.num_total_blocks("a") == 1
 
 
-def test_initialize_refuses_counts_that_are_not_ints_with_the_value():
+def test_initialize_refuses_counts_that_are_not_positive_ints_with_the_value():
     m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size)
-    for bad in (True, 7.0, "8"):
+    for bad in (True, 7.0, "8", 0, -1):
         with pytest.raises(ValueError) as info:
-            m.initialize(bad)
-        assert message(info) == f"primary_num_blocks must be an int, got {bad!r}"
+            m.initialize({"kv": bad})
+        assert message(info) == f"num_blocks['kv'] must be a positive int, got {bad!r}"
 
 
-def test_single_group_counts_name_the_group_and_how_the_count_was_derived():
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size)
-    with pytest.raises(ValueError) as info:
-        m.initialize(0)
-    assert message(info) == "primary_num_blocks for group 'kv' must be positive, got 0"
-    with pytest.raises(ValueError) as info:
-        m.initialize(7, {"kv": 8})
-    assert message(info) == "group 'kv': expected 7 blocks (the primary count), given 8"
+def test_initialize_names_every_group_it_needs_and_what_it_was_given():
+    m = KvCacheManager([spec("ring", "ring", mbps=3), spec("full", mbps=5)], block_size=4)
+    for given in ({"ring": 6}, {"ring": 6, "full": 10, "kv": 4}, {}):
+        with pytest.raises(ValueError) as info:
+            m.initialize(given)
+        assert message(info) == f"num_blocks must give the cache groups ['ring', 'full']; it gives {list(given)}"
 
 
 def test_several_groups_count_in_slots_of_the_first_groups_max_blocks_per_seq():
     m = KvCacheManager([spec("ring", "ring", mbps=3), spec("full", mbps=5)], block_size=4)
     with pytest.raises(ValueError) as info:
-        m.initialize(6, {"full": 11})
+        m.initialize({"ring": 6, "full": 11})
     assert message(info) == "group 'full': expected 10 blocks (2 slots x max_blocks_per_seq), given 11"
+    with pytest.raises(ValueError) as info:
+        m.initialize({"ring": 7, "full": 10})
+    assert message(info) == ("num_blocks['ring'] = 7 must be a multiple of its max_blocks_per_seq 3 (one capacity "
+                             "slot); the planner gives slots x 3")
     one = KvCacheManager([spec("ring", "ring", mbps=1), spec("full", mbps=5)], block_size=4)
-    one.initialize(1)                                              # one slot of a 1-page ring
+    one.initialize({"ring": 1, "full": 5})                         # one slot of a 1-page ring
     assert (one.num_total_blocks("ring"), one.num_total_blocks("full")) == (1, 5)
 
 
@@ -92,10 +95,10 @@ def test_reinitializing_while_requests_hold_pages_is_refused_with_how_many():
     m = qwen3()
     m.allocate("a", [1, 2, 3], 3)
     with pytest.raises(RuntimeError) as info:
-        m.initialize(32)
+        m.initialize_slots(32)
     assert message(info) == "cannot re-initialize while 1 requests hold pages"
     m.free("a")
-    m.initialize(32)
+    m.initialize_slots(32)
     assert m.num_total_blocks() == 32
 
 
@@ -106,22 +109,23 @@ def test_a_plan_for_another_model_or_max_model_len_is_refused_not_reinterpreted(
                              num_slots_override=2)
     m = KvCacheManager(DSV4_TINY.model.cache_groups, DSV4_TINY.block_size)
     with pytest.raises(ValueError) as info:
-        m.initialize_from_plan(plan_for(QWEN3_TINY))
-    assert message(info) == "capacity plan has no cache group 'ori'; it has ['kv']"
+        m.initialize(plan_for(QWEN3_TINY).num_blocks)
+    assert message(info).startswith("num_blocks must give the cache groups ['ori', ") and \
+        message(info).endswith("; it gives ['kv']")
     short = load_runtime_config(["max_model_len=128"])             # same groups, full histories 4x shorter
     m = KvCacheManager(short.model.cache_groups, short.block_size)
     with pytest.raises(ValueError) as info:                        # slots from 'ori' agree; 'cmp_c16' does not
-        m.initialize_from_plan(plan_for(DSV4_TINY))
+        m.initialize(plan_for(DSV4_TINY).num_blocks)
     assert message(info) == "group 'cmp_c16': expected 16 blocks (2 slots x max_blocks_per_seq), given 64"
 
 
 # -- views -------------------------------------------------------------------------------------------
 def test_views_refuse_use_before_initialize_an_unknown_group_and_a_partition_out_of_range():
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
     with pytest.raises(RuntimeError) as info:
         m.num_free_blocks()
     assert message(info) == "KvCacheManager.initialize() has not been called"
-    m.initialize(4)
+    m.initialize_slots(4)
     with pytest.raises(KeyError) as info:
         m.num_free_blocks("nope")
     assert message(info) == "unknown cache group 'nope'; groups: ['kv']"
@@ -136,8 +140,8 @@ def test_views_refuse_use_before_initialize_an_unknown_group_and_a_partition_out
 def test_new_requests_go_to_the_partition_running_fewest_and_freed_ones_stop_counting():
     """place() (the scheduler's call when prefix caching is off): fewest requests, then fewest used pages, then
     the lower partition. No request here holds pages, so only the counts decide."""
-    m = KvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
-    m.initialize(8)
+    m = InspectableKvCacheManager(QWEN3_TINY.model.cache_groups, QWEN3_TINY.block_size, num_partitions=2)
+    m.initialize_slots(8)
     count = [0, 0]
 
     def place(rid):
@@ -183,8 +187,8 @@ def test_match_prefix_is_for_new_requests_only():
 
 
 def test_with_one_token_blocks_a_two_token_prompt_hits_its_first_token():
-    m = KvCacheManager([spec("kv", rows=1)], block_size=1)
-    m.initialize(16)
+    m = InspectableKvCacheManager([spec("kv", rows=1)], block_size=1)
+    m.initialize_slots(16)
     run_prompt(m, "a", [5, 6, 7], chunk=3)
     assert m.match_prefix("b", [5, 6]) == 1                        # the last token is always recomputed
     assert m.block_tables("b")["kv"] == m.block_tables("a")["kv"][:1]
@@ -199,8 +203,8 @@ def test_a_hit_is_the_longest_prefix_every_group_serves_whatever_their_order(rin
     block 1, a 4-block hit the full group's blocks 2-3: no prefix is served by both, so the request misses and
     computes its whole prompt, sharing nothing."""
     specs = [spec("full", mbps=8), spec("ring", "ring", mbps=8)]
-    m = KvCacheManager(specs[::-1] if ring_first else specs, block_size=4)
-    m.initialize(8)                                                # one slot: 8 pages in each group
+    m = InspectableKvCacheManager(specs[::-1] if ring_first else specs, block_size=4)
+    m.initialize_slots(8)                                                # one slot: 8 pages in each group
     prompt = list(range(100, 117))                                 # 4 whole blocks + 1 token
     run_prompt(m, "x", prompt, chunk=4)
     full_pages = m.block_tables("x")["full"]                       # logical page = block (4 tokens a page)
@@ -246,8 +250,8 @@ def test_token_ids_that_shrink_are_refused_also_when_the_pages_have_room():
 
 
 def test_a_capacity_error_says_what_was_asked_where_and_every_groups_shortfall():
-    m = KvCacheManager(DSV4_TINY.model.cache_groups, DSV4_TINY.block_size)
-    m.initialize(DSV4_TINY.model.cache_groups[0].max_blocks_per_seq)
+    m = InspectableKvCacheManager(DSV4_TINY.model.cache_groups, DSV4_TINY.block_size)
+    m.initialize_slots(DSV4_TINY.model.cache_groups[0].max_blocks_per_seq)
     tokens = list(range(100))
     m.allocate("a", tokens, 32)
     m.commit("a", 32)

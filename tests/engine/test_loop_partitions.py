@@ -23,6 +23,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from npu.step import StepBatch
 from tests.engine.instrumented import HookedEngine, ScriptedRunner, StepHooks
+from tests.support.kv import free_blocks, total_blocks
 
 NEW_TOKENS = 6
 
@@ -83,7 +84,7 @@ def test_each_rank_steps_its_own_requests_and_each_request_gets_its_own_tokens(m
             assert [t for d in deltas for t in d.new_token_ids] == scripts[rid][1], rid
         while not gate.outputs.get(timeout=60).finished:
             pass
-        assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+        assert engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
     finally:
         engine.shutdown()
     assert not [r.getMessage() for r in caplog.records if r.name == engine_loop.__name__]

@@ -20,6 +20,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams
 from tests.engine.instrumented import HookedEngine, ScriptedRunner
 from tests.engine.test_stop_rules import PROMPT_TEXT, TEXT, engine, generate, pieces  # noqa: F401 - a fixture
+from tests.support.kv import free_blocks, total_blocks
 
 
 def delta_boundaries(tokenizer, ids: list[int]) -> list[int]:
@@ -95,7 +96,7 @@ def test_an_abort_sent_from_the_first_delta_ends_the_request_at_the_next_step(en
     assert [d.finish_reason for d in deltas] == [None, FinishReason.ABORTED]
     assert deltas[-1].new_text == "" and deltas[-1].new_token_ids == ()
     assert [t for d in deltas for t in d.new_token_ids] == ids[:1]
-    assert engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+    assert engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
 
 
 def test_a_finished_request_gets_no_second_final_output_at_shutdown():

@@ -19,8 +19,8 @@ from appliance.core.planner import InsufficientMemoryError
 from appliance.engine.loop import Engine
 from appliance.engine.preflight import preflight
 from npu.backends import CpuBackend
-from npu.checkpoint import write_tiny_checkpoint
 from tests.conftest import REPO
+from tests.support.checkpoints import write_tiny_checkpoint
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 GiB = 1 << 30

@@ -15,9 +15,9 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.checkpoint import write_tiny_checkpoint
 from npu.device_group import DeviceGroup
 from tests.engine.test_engine_oracles import NEW_TOKENS, assert_same_greedy, transformers_greedy
+from tests.support.checkpoints import write_tiny_checkpoint
 
 ONE_THREAD = ["device=cpu", "device.cpu_threads=1", "parallel.startup_timeout_s=120"]
 TWO_RANKS = ["device.count=2"]

@@ -22,9 +22,9 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.config import RuntimeConfig
 from appliance.core.request import SamplingParams
-from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import SeqStatus, Sequence
+from tests.support.kv import InspectableKvCacheManager
 
 
 @lru_cache(maxsize=None)
@@ -49,8 +49,9 @@ class Driver:
         model; `settings` replace RuntimeConfig fields (decode_batch, max_num_batched_tokens, ...)."""
         rc = dataclasses.replace(base_config(model), **settings)
         self.rc = rc
-        self.kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=rc.enable_prefix_caching)
-        self.kv.initialize(blocks if blocks is not None else slots * rc.model.cache_groups[0].max_blocks_per_seq)
+        self.kv = InspectableKvCacheManager(rc.model.cache_groups, rc.block_size,
+                                            enable_prefix_caching=rc.enable_prefix_caching)
+        self.kv.initialize_slots(blocks if blocks is not None else slots * rc.model.cache_groups[0].max_blocks_per_seq)
         self.sched = Scheduler(rc, self.kv)
         self.finished: list[Sequence] = []
         self.history: list[list[Scheduled]] = []

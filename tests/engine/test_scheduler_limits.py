@@ -12,6 +12,7 @@ from appliance.core.step_limits import step_limits
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import Sequence
+from tests.support.kv import blocks_per_group
 
 
 @settings(max_examples=12, deadline=None)
@@ -22,7 +23,7 @@ def test_the_scheduler_never_leaves_step_limits(model, budget, max_seqs, decode_
                               f"max_num_seqs={max_seqs}", f"decode_batch={decode_batch}"])
     limits = step_limits(rc)
     kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=True)
-    kv.initialize(6 * rc.model.cache_groups[0].max_blocks_per_seq)       # small: preemption happens too
+    kv.initialize(blocks_per_group(kv.specs, 6 * rc.model.cache_groups[0].max_blocks_per_seq))   # small: preempts too
     sched = Scheduler(rc, kv)
     rng = random.Random(seed)
     for i in range(rng.randrange(1, 12)):

@@ -14,12 +14,13 @@ from appliance.core.request import SamplingParams
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import SeqStatus, Sequence
+from tests.support.kv import blocks_per_group
 
 
 def setup(blocks: int, **settings) -> tuple[KvCacheManager, Scheduler]:
     rc = dataclasses.replace(load_runtime_config(["+model=qwen3_tiny", "max_model_len=128"]), **settings)
     kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=False, num_partitions=2)
-    kv.initialize(blocks)
+    kv.initialize(blocks_per_group(kv.specs, blocks))
     return kv, Scheduler(rc, kv)
 
 

@@ -10,6 +10,7 @@ import pytest
 from appliance.core.request import SamplingParams
 from appliance.engine.stats import LATENCY_BUCKETS_S, StatsRecorder
 from appliance.offline import Appliance
+from tests.support.kv import total_blocks
 
 
 def test_histograms_are_cumulative_with_sum_and_count():
@@ -46,4 +47,4 @@ def test_engine_figures_match_the_requests():
         assert stats.prefix_cache_queries >= sum(r.usage.prompt_tokens for r in results)
         assert (stats.num_running, stats.num_waiting) == (0, 0)
         assert [(g.name, g.used_blocks, g.free_blocks) for g in stats.groups] == \
-            [("kv", 0, app.engine.kv_total_blocks()["kv"])]
+            [("kv", 0, total_blocks(app.engine)["kv"])]

@@ -16,6 +16,7 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams
 from tests.engine.instrumented import HookedEngine, ScriptedRunner
+from tests.support.kv import free_blocks, total_blocks
 
 TEXT = " Memory is the scarce resource. A page holds the rows of many layers for a fixed number"
 PROMPT_TEXT = "The appliance"
@@ -45,7 +46,7 @@ def generate(engine, outputs: list[int], params: SamplingParams, prompt: list[in
     while not deltas or not deltas[-1].finished:
         deltas.append(handle.outputs.get(timeout=60))
     assert engine.num_in_flight() == 0
-    assert engine.kv_free_blocks() == engine.kv_total_blocks()
+    assert free_blocks(engine) == total_blocks(engine)
     return deltas
 
 

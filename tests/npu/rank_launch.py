@@ -21,10 +21,10 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of
 from appliance.serve.convert import startup_response
-from npu.fake import FakeBackend, FakeMemoryProbe
 from npu.launcher import launch
 from npu.qwen3 import Qwen3Runner
 from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store, leave_process
+from tests.support.fake_device import FakeBackend, FakeMemoryProbe
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.tensor_parallel_size=2",
              "device.cpu_threads=1"]

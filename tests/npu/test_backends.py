@@ -22,10 +22,10 @@ from npu.backends import (
     select_backend,
 )
 from npu.cpu_memory import AllocationTracker
-from npu.fake import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
 from npu.launcher import launch
 from tests.npu import fake_torch_npu
 from tests.npu.fake_torch_npu import FakeNpuDevice, FakeNpuRuntime
+from tests.support.fake_device import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -22,10 +22,10 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.archs.deepseek_v4 import csa_ratio
-from npu.checkpoint import write_tiny_checkpoint
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.step import SeqStep, StepBatch
 from npu.weights import load_state_dict
+from tests.support.checkpoints import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

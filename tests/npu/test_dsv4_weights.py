@@ -16,10 +16,10 @@ from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.errors import CheckpointError
 from appliance.core.estimate import estimate_peak_non_kv, offline_devices
 from appliance.core.parallel import RankPlace, place_of
-from npu.checkpoint import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.quant import QuantizedWeight, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from npu.weights import load_state_dict, random_state_dict
+from tests.support.checkpoints import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
 
 E4M3 = torch.tensor([0.0, 0.25, -0.5, 1.0, 1.5, -3.0, 448.0, -0.015625])
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

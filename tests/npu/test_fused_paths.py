@@ -30,6 +30,7 @@ from npu.fused_attention import MASK_SIZE, FusedPagedAttention, fused_attention_
 from npu.qwen3 import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 from tests.npu import fake_torch_npu
+from tests.support.kv import blocks_per_group
 
 
 class SdpaMasks(TorchFunctionMode):
@@ -225,7 +226,7 @@ def dsv4_mixed_step(runner, rng) -> StepBatch:
     and chunks from position 0 of two lengths."""
     model, tif = runner.model, runner.model.layout.tokens_in_flight
     kv = KvCacheManager(model.cache_groups, model.layout.block_size, enable_prefix_caching=False)
-    kv.initialize(8 * model.cache_groups[0].max_blocks_per_seq)
+    kv.initialize(blocks_per_group(kv.specs, 8 * model.cache_groups[0].max_blocks_per_seq))
     runner.allocate_pools({s.name: 8 * s.max_blocks_per_seq for s in model.cache_groups}, 1)
     tokens = {rid: [rng.randrange(3, 500) for _ in range(n)] for rid, n in
               [("d9", 10), ("d70", 71), ("d200", 201), ("cached", 96), ("f32", 32), ("f32b", 32), ("f5", 5)]}

@@ -11,11 +11,11 @@ from appliance.core.kv_cache_spec import scratch_bytes
 from appliance.core.planner import DeviceMemory, InsufficientMemoryError, plan_capacity
 from appliance.modes.plan import make_plan
 from npu.backends import CpuBackend
-from npu.fake import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
 from npu.launcher import launch
 from npu.qwen3 import Qwen3Runner
 from npu.registry import runner_class
 from npu.step import SeqStep, StepBatch
+from tests.support.fake_device import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
 
 GiB = 1 << 30
 MiB = 1 << 20

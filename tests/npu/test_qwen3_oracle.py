@@ -12,9 +12,9 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
-from npu.checkpoint import write_tiny_checkpoint
 from npu.qwen3 import Qwen3Runner
 from npu.step import SeqStep, StepBatch
+from tests.support.checkpoints import write_tiny_checkpoint
 
 PROMPT_LENS = (5, 23, 40, 12, 33, 1)
 NEW_TOKENS = 20          # prefill + 19 decode steps per sequence

@@ -97,7 +97,7 @@ def build(rc, kv, seqs: list[tuple[int, int]], seed: int = 0) -> StepBatch:
 
 def manager(rc, report) -> KvCacheManager:
     kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=False)
-    kv.initialize_from_plan(report.plan)
+    kv.initialize(report.plan.num_blocks)
     return kv
 
 

@@ -88,6 +88,8 @@ class FakeEngine:
         self.draining = False
         self.drain_calls: list[float] = []
         self.shutdown_called = False
+        self.failure: str | None = None               # the engine's: it never stops on its own
+        self.on_failure = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._free: dict[str, int] = {}

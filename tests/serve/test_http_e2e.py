@@ -18,8 +18,8 @@ from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
 from appliance.serve.chat_template import load_chat_template  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
 from tests.serve.test_server_e2e import ServerProcess, wait_for  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 TOKEN = "test-token-7f3a"
 # A ChatML template with a system default, special tokens, loop controls and raise_exception, so rendering

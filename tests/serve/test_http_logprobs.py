@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.tokenizer import Tokenizer  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
 from tests.serve.test_http_e2e import write_chat_checkpoint  # noqa: E402
 from tests.serve.test_server_e2e import ServerProcess, wait_for  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 TOL = 1e-4
 OVERRIDES = ["device=cpu", "max_model_len=256", "max_num_seqs=4", "max_num_batched_tokens=32", "server.port=0",

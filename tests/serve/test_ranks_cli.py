@@ -18,8 +18,8 @@ import pytest
 
 from appliance.client import ApplianceClient
 from appliance.config.compose import load_runtime_config
-from npu.checkpoint import write_tiny_checkpoint
 from tests.conftest import REPO
+from tests.support.checkpoints import write_tiny_checkpoint
 
 SERVE = ["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.tensor_parallel_size=2", "max_model_len=128",
          "device.cpu_threads=1", "server.port=0", "server.http_port=null", "server.grace_period_s=5",

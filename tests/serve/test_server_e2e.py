@@ -26,6 +26,7 @@ from appliance.offline import Appliance  # noqa: E402
 from appliance.serve.api import appliance_pb2 as pb  # noqa: E402
 from appliance.serve.convert import generate_request  # noqa: E402
 from appliance.serve.server import ApplianceServer  # noqa: E402
+from tests.support.kv import free_blocks, total_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["device=cpu", "max_model_len=128", "max_num_seqs=8", "kv_cache.num_slots_override=16",
@@ -75,7 +76,7 @@ def live():
 def test_startup_equals_the_engine_allocation(live):
     rc, engine, _, client = live
     r = client.startup(timeout=10)
-    assert {g.name: g.num_blocks for g in r.cache_groups} == engine.kv_total_blocks()
+    assert {g.name: g.num_blocks for g in r.cache_groups} == total_blocks(engine)
     specs = {s.name: s for s in rc.model.cache_groups}
     for g in r.cache_groups:
         assert g.num_blocks == r.capacity_slots * specs[g.name].max_blocks_per_seq
@@ -103,17 +104,17 @@ def test_concurrent_streams_equal_offline_greedy_outputs(live):
     assert [got[i][:2] for i in range(len(batch))] == expected
     assert all(got[i][2] == FinishReason.LENGTH and got[i][3].completion_tokens == MAX_TOKENS
                and got[i][3].prompt_tokens == len(batch[i]) for i in range(len(batch)))
-    wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
+    wait_for(lambda: free_blocks(engine) == total_blocks(engine), what="blocks back")
 
 
 def test_cancel_frees_blocks_in_the_engine(live):
     _, engine, _, client = live
     stream = client.generate("tell me a long story", max_tokens=100, ignore_eos=True)
     next(stream)
-    assert engine.kv_free_blocks() != engine.kv_total_blocks()
+    assert free_blocks(engine) != total_blocks(engine)
     stream.close()
     wait_for(lambda: engine.num_in_flight() == 0, what="abort")
-    wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
+    wait_for(lambda: free_blocks(engine) == total_blocks(engine), what="blocks back")
 
 
 def test_a_cancelled_request_id_is_free_again_when_its_call_ends(live):
@@ -126,7 +127,7 @@ def test_a_cancelled_request_id_is_free_again_when_its_call_ends(live):
         wait_for(lambda: engine.num_in_flight() == 0, what="the cancelled call's end reaching the engine")
         ids, _, last = client.complete("tell me a long story", max_tokens=2, ignore_eos=True, request_id="retry")
         assert len(ids) == 2 and last.finish_reason == FinishReason.LENGTH
-    wait_for(lambda: engine.kv_free_blocks() == engine.kv_total_blocks(), what="blocks back")
+    wait_for(lambda: free_blocks(engine) == total_blocks(engine), what="blocks back")
 
 
 def test_a_prompt_too_big_to_fit_is_refused_before_tokenizing(live):

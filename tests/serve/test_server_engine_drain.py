@@ -10,6 +10,7 @@ from tests.engine.instrumented import loop_held
 from tests.serve.harness import serve_hooked_engine
 from tests.serve.test_server import wait_for
 from tests.serve.test_server_engine_faults import OVERRIDES
+from tests.support.kv import free_blocks, total_blocks
 
 
 def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks():
@@ -20,7 +21,7 @@ def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks():
         for stream in streams:
             next(stream)
         with loop_held(runner):           # nothing can finish within the grace
-            assert engine.kv_free_blocks() != engine.kv_total_blocks()
+            assert free_blocks(engine) != total_blocks(engine)
             srv.server.request_shutdown()
             # drain() returns once it has aborted what was left (it waits a few seconds for the held loop).
             assert engine.drained.wait(60), "the drain did not return"
@@ -29,7 +30,7 @@ def test_drain_past_its_grace_aborts_the_rest_and_frees_their_blocks():
             assert [last.finish_reason for last in lasts] == [FinishReason.ABORTED] * 2
             assert all(last.usage.completion_tokens < 100 for last in lasts)
         # Once the step ends, the engine finishes the aborts and frees their blocks.
-        wait_for(lambda: engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks(),
+        wait_for(lambda: engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine),
                  60, "the aborted requests' blocks to be freed")
         srv.thread.join(60)
         assert srv.result["status"] == "ok"

@@ -24,6 +24,7 @@ from tests.serve.harness import (
     serve_hooked_engine,
     wait_for,
 )
+from tests.support.kv import free_blocks, total_blocks
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "max_model_len=128", "max_num_seqs=8", "decode_batch=8",
              "kv_cache.num_slots_override=8", "server.port=0", "server.http_port=0", "server.grace_period_s=5"]
@@ -44,7 +45,7 @@ def serving(rc):
 
 
 def all_blocks_free(engine) -> bool:
-    return engine.num_in_flight() == 0 and engine.kv_free_blocks() == engine.kv_total_blocks()
+    return engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))

@@ -1,12 +1,11 @@
-"""The architecture registry: per `model.arch`, its rules, its runner and the parallelism it supports.
+"""The architecture registry: per `model.arch`, its rules and the parallelism it supports.
 
 Torch-free, so the composer runs every architecture rule at `mode=validate` (exit 2 naming the key path)
-before any device work, and the device plane finds runners only through this table (a `module:Class`
-string, imported when that arch is started).
+before any device work. The runner of each arch is the device plane's table (npu/registry.py).
 
-    arch          runner                               parallelism
-    qwen3         npu.qwen3:Qwen3Runner                tensor, data
-    deepseek_v4   npu.deepseek_v4:DeepseekV4Runner     data, expert
+    arch          parallelism
+    qwen3         tensor, data
+    deepseek_v4   data, expert
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ def _no_rules(layout: Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
 @dataclass(frozen=True)
 class Architecture:
     name: str
-    runner: str                                            # "module:Class" of its ModelRunner
     validate: Callable[[ModelSpec], list[ConfigIssue]]     # layout and cache-group rules, with key paths
     parallelism: frozenset[str]                            # among "tensor", "data", "expert"
     config_keys: dict[str, str]                            # checkpoint config.json key -> layout key
@@ -61,11 +59,11 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("qwen3", "npu.qwen3:Qwen3Runner", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
+    Architecture("qwen3", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
                  qwen3.rank_weight_bytes, qwen3.rank_cache_groups, qwen3.parallel_issues, hf_architectures=qwen3.HF_ARCHITECTURES, hf_model_types=qwen3.HF_MODEL_TYPES,
                  hf_value_kinds=qwen3.HF_VALUE_KINDS, layout_from_hf_config=qwen3.layout_from_hf_config,
                  cache_groups_for=qwen3.cache_groups_for),
-    Architecture("deepseek_v4", "npu.deepseek_v4:DeepseekV4Runner", deepseek_v4.validate,
+    Architecture("deepseek_v4", deepseek_v4.validate,
                  frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4_weights.rank_weight_bytes,
                  config_view=deepseek_v4.config_view, config_fixed=deepseek_v4.CONFIG_FIXED,
                  parameters=deepseek_v4_weights.parameter_counts,

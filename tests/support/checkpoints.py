@@ -23,7 +23,7 @@ from appliance.core.tokenizer import Tokenizer
 from npu.quant import QuantizedWeight, quantize_fp4, quantize_fp8
 from npu.registry import runner_class
 
-log = logging.getLogger("npu.checkpoint")
+log = logging.getLogger("tests.support.checkpoints")
 
 
 def qwen3_hf_config(model: ModelSpec, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
