@@ -268,7 +268,8 @@ def test_generate_streams_deltas_then_finish_and_usage(running):
         call = c.stub.Generate(generate_request("hello", request_id="r2", max_tokens=1))
         assert dict(call.initial_metadata())["request-id"] == "r2"      # sent on acceptance
         assert [m.request_id for m in call] == ["r2"]
-    assert [d.request_id for d in deltas] == ["r1"] * 5
+    # A slow reader may get several tokens in one delta (the stream coalesces what is queued): count tokens.
+    assert 1 <= len(deltas) <= 5 and all(d.request_id == "r1" and d.new_token_ids for d in deltas)
     assert [t for d in deltas for t in d.new_token_ids] == expected_tokens("hello", 5)
     assert "".join(d.new_text for d in deltas) == bytes(expected_tokens("hello", 5)).decode()
     assert all(d.finish_reason is None for d in deltas[:-1])
