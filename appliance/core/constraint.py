@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from llguidance import LLMatcher
 
+if TYPE_CHECKING:                    # a TypedDict its stub declares (no runtime name)
+    from llguidance._lib import JsonCompileOptions
+
 # JSON is generated without optional whitespace (`{"a":1}`): a model (a random-weight one above all) cannot spend
 # its tokens on spaces between values. vLLM's default allows any whitespace; `disable_any_whitespace` is implied.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False}
 # Documented request limits (README "Request limits"): a constraint's text and its choices are bounded so that
 # checking and compiling one request's grammar stays cheap for everyone else.
 MAX_CONSTRAINT_CHARS = 256 * 1024
