@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 from appliance.core.constraint import ConstraintError, OutputConstraint, validate_constraint
 
+
 class FinishReason(str, Enum):
     LENGTH = "length"      # max_tokens or max_model_len reached
     STOP = "stop"          # a stop string or stop token id
