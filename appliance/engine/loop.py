@@ -458,6 +458,7 @@ class Engine:
         self._sampler.release(seq.request_id)
         if seq.matcher is not None:
             seq.matcher.close()
+            seq.matcher = None
         seq.num_text_emitted += len(new_text)
         with self._lock:
             if self._in_flight.get(seq.request_id) is seq:
