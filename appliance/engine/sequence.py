@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Callable
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+from appliance.engine.grammar import GrammarMatcher
 
 _arrival = itertools.count()
 
@@ -46,6 +47,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
+        # Structured output: the grammar state of the committed output tokens (set by the engine on submit).
+        self.matcher: GrammarMatcher | None = None
 
     @property
     def token_ids(self) -> list[int]:

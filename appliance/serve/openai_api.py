@@ -3,9 +3,12 @@
 Requests are pydantic models (FastAPI validates the JSON against them), strict where the OpenAI spec is strict:
 `"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer is still accepted where a number is
 expected); responses are plain dicts in the documented OpenAI shapes. A top-level field the models do not declare
-(`best_of`, `response_format`, a typo) is a 400 naming it, and declared ones the engine cannot
-honour (penalties, logit_bias, suffix, echo with stream) are refused likewise: nothing is silently ignored (inside
-a chat message, keys other than role, content and name still are). Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+(a typo) is a 400 naming it, and declared ones the engine cannot honour (penalties, logit_bias,
+suffix, echo with stream) are refused likewise: nothing is silently ignored (inside a chat message, keys other than
+role, content, name, tool_calls, tool_call_id and reasoning still are). Beyond OpenAI: top_k, ignore_eos,
+stop_token_ids and structured_outputs (as vLLM accepts them). `response_format` and `structured_outputs` become the
+request's OutputConstraint (appliance/serve/structured.py); so does `tool_choice` "required" or a named function
+(appliance/serve/tool_grammar.py).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
 "raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
@@ -30,6 +33,13 @@ from appliance.core.request import (
     lone_surrogate_at,
 )
 from appliance.serve.chat_template import RENDERER_NAMES
+from appliance.serve.structured import (
+    ConstraintFieldError,
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredOutputs,
+    request_constraint,
+)
 
 # Engine finish reasons as OpenAI spells them. An aborted request has none of OpenAI's reasons (stop, length,
 # content_filter, tool_calls): its stream ends with an error event instead (see OpenAIRoutes._events).
@@ -123,6 +133,8 @@ class _Sampling(_Request):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None          # OpenAI: text, json_object, json_schema
+    structured_outputs: StructuredOutputs | None = None    # vLLM's extension: json, regex, choice, grammar
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -140,11 +152,15 @@ class _Sampling(_Request):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            constraint = request_constraint(self.response_format, self.structured_outputs)
+        except ConstraintFieldError as exc:
+            raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, constraint=constraint)
 
 
 class CompletionRequest(_Sampling):
@@ -389,9 +405,10 @@ class DetokenizeRequest(_Request):
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models, to tell them from union members in pydantic error locations."""
     models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
-                                     TokenizeRequest, DetokenizeRequest, ToolCallIn, FunctionCallIn, ToolDefinition,
-                                     FunctionDefinition, NamedToolChoice, NamedFunction]
-    return frozenset(name for model in models for name in model.model_fields)
+                                     TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat,
+                                     StructuredOutputs, ToolCallIn, FunctionCallIn, ToolDefinition, FunctionDefinition,
+                                     NamedToolChoice, NamedFunction]
+    return frozenset(name for model in models for name in model.model_fields) | {"json", "schema"}
 
 
 # -- responses ---------------------------------------------------------------------------------------
