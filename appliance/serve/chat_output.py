@@ -37,9 +37,11 @@ class AssistantMessage:
 class ChatOutputParser:
     """Text deltas in, OpenAI chat deltas out ({"content"}, {"reasoning_content", "reasoning"}, {"tool_calls"})."""
 
-    def __init__(self, prompt: str, reasoning: ReasoningFormat | None, tools: ToolCallFormat | None):
+    def __init__(self, prompt: str, reasoning: ReasoningFormat | None, tools: ToolCallFormat | None,
+                 max_calls: int | None = None):
         self.reasoning = ReasoningSplitter(reasoning, prompt) if reasoning is not None else None
         self.tools = ToolCallParser(tools) if tools is not None else None
+        self.max_calls = max_calls          # parallel_tool_calls false: calls after the first are dropped (as vLLM)
         self.message = AssistantMessage()
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -73,9 +75,10 @@ class ChatOutputParser:
         if content:
             self.message.content += content
             deltas.append({"content": content})
-        deltas.extend({"tool_calls": [call]} for call in calls)
+        deltas.extend({"tool_calls": [call]} for call in calls
+                      if self.max_calls is None or call["index"] < self.max_calls)
         if self.tools is not None:
-            self.message.tool_calls = list(self.tools.calls)
+            self.message.tool_calls = list(self.tools.calls[:self.max_calls])
         return deltas
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.constraint import OutputConstraint
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.logs import REQUEST_ID
 from appliance.core.request import (
@@ -74,6 +75,7 @@ from appliance.serve.openai_api import (
 )
 from appliance.serve.ports import suggested_port
 from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
+from appliance.serve.tool_grammar import tool_call_grammar
 
 
 class ServingState(Protocol):
@@ -311,26 +313,29 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         srv = self.server
         renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
-        tool_mode, _ = body.tool_choice_mode()
-        if tool_mode in ("required", "named"):
-            raise invalid("tool_choice", f"{body.tool_choice!r}: forcing a tool call needs constrained decoding, "
-                                         f"which this server does not have yet; send \"auto\" or \"none\"")
+        tool_mode, named = body.tool_choice_mode()
+        fmt = self.chat_format
+        if tool_mode in ("required", "named") and fmt.tool_calls is None:
+            raise invalid("tool_choice", f"model {self.model!r} ({srv.rc.model.arch}) has no known tool-call format "
+                                         f"to force; send \"auto\" or \"none\"")
         prompt, ids = await self._chat_prompt(body, renamed)
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        if tool_mode in ("required", "named"):
+            params = self._force_tool_calls(body, params, prompt, named)
         streams = await self._open_choices(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"}, body.n)
         num_top = body.top_logprobs or 0
 
         def delta_logprobs(_: int, out: RequestOutput) -> dict[str, Any] | None:
             return chat_logprobs(out.logprobs, num_top, self._token_text) if out.logprobs is not None else None
 
-        fmt = self.chat_format
         tool_calls = fmt.tool_calls if tool_mode != "none" else None
+        max_calls = None if body.parallel_tool_calls else 1
 
         def new_parser() -> ChatOutputParser:
-            return ChatOutputParser(prompt, fmt.reasoning, tool_calls)
+            return ChatOutputParser(prompt, fmt.reasoning, tool_calls, max_calls)
 
         def render(got: Collected, reason: str | None) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
             parser = new_parser()
@@ -340,6 +345,19 @@ class OpenAIRoutes:
                     chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None)
         return await self._respond(http, streams, ResponseShape("chat", request_id, self.model), body,
                                    render, delta_logprobs, new_parser)
+
+    def _force_tool_calls(self, body: ChatCompletionRequest, params: SamplingParams, prompt: str,
+                          named: str | None) -> SamplingParams:
+        """tool_choice required or named: the answer is constrained to calls in the model's format (the grammar
+        engine masks every other token), one call when named or parallel_tool_calls is false."""
+        if params.constraint is not None:
+            raise invalid("tool_choice", f"{body.tool_choice!r} cannot be combined with response_format or "
+                                         f"structured_outputs (both constrain the whole answer)")
+        fmt = self.chat_format
+        tools = [t for t in body.template_tools() or () if named is None or t["function"]["name"] == named]
+        grammar = tool_call_grammar(fmt.tool_calls, tools, single=named is not None or not body.parallel_tool_calls,
+                                    reasoning=fmt.reasoning, prompt=prompt)
+        return dataclasses.replace(params, constraint=OutputConstraint.grammar(grammar, field="tool_choice"))
 
     async def _chat_prompt(self, body: ChatCompletionRequest, renamed: dict[str, str],
                            encode: Callable[[str], list[int]] | None = None) -> tuple[str, list[int]]:

@@ -311,6 +311,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True             # false: at most one call (the first, or the one forced)
     logprobs: bool = False
     top_logprobs: int | None = None
 
