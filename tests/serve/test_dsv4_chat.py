@@ -95,3 +95,15 @@ def test_chat_formats_by_architecture():
     assert (dsv4.reasoning, dsv4.tool_calls) == (DSV4_REASONING, DSML_TOOL_CALLS)
     qwen3 = load_chat_format(load_runtime_config(["+model=qwen3_tiny"]).model)
     assert qwen3.renderer is None and (qwen3.reasoning, qwen3.tool_calls) == (QWEN3_REASONING, QWEN3_TOOL_CALLS)
+
+
+def test_the_tiny_tokenizer_holds_each_marker_as_one_token_kept_in_text():
+    """The embedded tiny models' built tokenizer, like the released ones: each marker of the chat formats is one
+    token, and decoding keeps it (the parsers read it from the text)."""
+    from appliance.core.tokenizer import Tokenizer
+    from appliance.serve.dsv4_chat import MARKERS
+
+    tok = Tokenizer.build(512)
+    for marker in (*MARKERS, "<tool_call>", "</tool_call>", "<|im_start|>", "<|im_end|>"):
+        [token] = tok.encode(marker)
+        assert tok.decode([token]) == marker
