@@ -75,7 +75,7 @@ from appliance.serve.openai_api import (
 )
 from appliance.serve.ports import suggested_port
 from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
-from appliance.serve.tool_grammar import tool_call_grammar
+from appliance.serve.tool_grammar import marker_tokens, tool_call_grammar
 
 
 class ServingState(Protocol):
@@ -355,8 +355,10 @@ class OpenAIRoutes:
                                          f"structured_outputs (both constrain the whole answer)")
         fmt = self.chat_format
         tools = [t for t in body.template_tools() or () if named is None or t["function"]["name"] == named]
+        token_to_id = getattr(self.server.engine.tokenizer, "token_to_id", lambda _: None)
         grammar = tool_call_grammar(fmt.tool_calls, tools, single=named is not None or not body.parallel_tool_calls,
-                                    reasoning=fmt.reasoning, prompt=prompt)
+                                    reasoning=fmt.reasoning, prompt=prompt,
+                                    specials=marker_tokens(fmt.tool_calls, fmt.reasoning, token_to_id))
         return dataclasses.replace(params, constraint=OutputConstraint.grammar(grammar, field="tool_choice"))
 
     async def _chat_prompt(self, body: ChatCompletionRequest, renamed: dict[str, str],

@@ -101,8 +101,8 @@ def test_forced_calls_attach_the_grammar_to_the_engine_request(served):
                                            tool_choice=choice, extra_body=THINKING)
         assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert [c.field for c in seen] == ["tool_choice", "tool_choice"]
-    assert all('<｜DSML｜invoke name=\\"get_weather\\">' in c.text for c in seen)
-    assert seen[0].text.startswith("start: REASONING")        # thinking mode: reasoning first, then calls
+    assert all('｜DSML｜invoke name=\\"get_weather\\">' in c.text for c in seen)
+    assert seen[0].text.startswith("start: reasoning")        # thinking mode: reasoning first, then calls
 
 
 def test_tool_results_and_earlier_calls_render_into_the_prompt(served):

@@ -10,11 +10,12 @@ import random
 import jsonschema
 import pytest
 
+from appliance.core import tokenizer as tokenizer_module
 from appliance.core.tokenizer import Tokenizer
 from appliance.serve.chat_output import ChatOutputParser
 from appliance.serve.dsv4_chat import dsml_tool_calls
 from appliance.serve.reasoning import DSV4_REASONING, QWEN3_REASONING
-from appliance.serve.tool_grammar import tool_call_grammar
+from appliance.serve.tool_grammar import marker_tokens, tool_call_grammar
 from appliance.serve.tool_parsers import DSML_TOOL_CALLS, QWEN3_TOOL_CALLS
 
 llguidance = pytest.importorskip("llguidance")
@@ -33,10 +34,23 @@ QWEN3_PROMPT = "<|im_start|>assistant\n"
 QWEN3_NO_THINK = QWEN3_PROMPT + "<think>\n\n</think>\n\n"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok = Tokenizer.build(512)
+@pytest.fixture(scope="module", params=["markers as tokens", "markers as text"])
+def tokenizer(request):
+    """The tiny tokenizer (each marker one token: a special token to llguidance), and one without those tokens."""
+    if request.param == "markers as text":
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tokenizer_module, "CHAT_TOKENS", ())
+            tok = Tokenizer.build(512)
+        assert tok.token_to_id("<think>") is None
+    else:
+        tok = Tokenizer.build(512)
     return tok, llguidance.LLTokenizer(tok.tk.to_str(), n_vocab=512, eos_token=tok.eos_token_id)
+
+
+def grammar(tokenizer, fmt, tools, **kwargs) -> str:
+    tok, _ = tokenizer
+    specials = marker_tokens(fmt, kwargs["reasoning"], tok.token_to_id)
+    return tool_call_grammar(fmt, tools, specials=specials, **kwargs)
 
 
 def matcher(tokenizer, grammar: str):
@@ -61,7 +75,7 @@ def qwen3(calls) -> str:
                      for n, a in calls)
 
 
-GOOD = [("get_weather", {"city": "Paris", "days": 3, "note": "any <b>text</b>\nhere", "unit": "C"}),
+GOOD = [("get_weather", {"city": "Paris", "days": 3, "note": "any <b> text\nhere", "unit": "C"}),
         ("get_time", {})]
 
 
@@ -69,8 +83,8 @@ GOOD = [("get_weather", {"city": "Paris", "days": 3, "note": "any <b>text</b>\nh
     (DSML_TOOL_CALLS, dsml, DSV4_CHAT_PROMPT, DSV4_REASONING),
     (QWEN3_TOOL_CALLS, qwen3, QWEN3_NO_THINK, QWEN3_REASONING)], ids=["dsml", "qwen3"])
 def test_valid_calls_are_accepted_and_invalid_ones_refused(tokenizer, fmt, write, prompt, reasoning):
-    required = tool_call_grammar(fmt, TOOLS, single=False, reasoning=reasoning, prompt=prompt)
-    named = tool_call_grammar(fmt, [WEATHER], single=True, reasoning=reasoning, prompt=prompt)
+    required = grammar(tokenizer, fmt, TOOLS, single=False, reasoning=reasoning, prompt=prompt)
+    named = grammar(tokenizer, fmt, [WEATHER], single=True, reasoning=reasoning, prompt=prompt)
     assert accepts(tokenizer, required, write(GOOD))
     assert accepts(tokenizer, required, write(GOOD[1:]))
     assert accepts(tokenizer, named, write(GOOD[:1]))
@@ -82,16 +96,25 @@ def test_valid_calls_are_accepted_and_invalid_ones_refused(tokenizer, fmt, write
     assert not accepts(tokenizer, required, "Sure! " + write(GOOD))                 # nothing but calls
 
 
+def test_a_dsml_string_value_may_be_written_as_json(tokenizer):
+    required = grammar(tokenizer, DSML_TOOL_CALLS, TOOLS, single=False, reasoning=DSV4_REASONING,
+                       prompt=DSV4_CHAT_PROMPT)
+    text = dsml([("get_weather", {"city": "Paris", "days": 3, "note": "<b>bold</b>"})])
+    as_json = text.replace('string="true">&lt;b>bold&lt;/b>'.replace("&lt;", "<"), 'string="false">"<b>bold</b>"')
+    assert as_json != text and accepts(tokenizer, required, as_json)
+
+
 def test_reasoning_comes_first_where_the_prompt_opens_it(tokenizer):
-    thinking = tool_call_grammar(DSML_TOOL_CALLS, TOOLS, single=False, reasoning=DSV4_REASONING,
+    thinking = grammar(tokenizer, DSML_TOOL_CALLS, TOOLS, single=False, reasoning=DSV4_REASONING,
                                  prompt=DSV4_THINKING_PROMPT)
     assert accepts(tokenizer, thinking, "Weather <i>needed</i>, call it.</think>" + dsml(GOOD[1:]))
     assert not accepts(tokenizer, thinking, dsml(GOOD[1:]))
-    qwen_thinking = tool_call_grammar(QWEN3_TOOL_CALLS, TOOLS, single=True, reasoning=QWEN3_REASONING,
+    qwen_thinking = grammar(tokenizer, QWEN3_TOOL_CALLS, TOOLS, single=True, reasoning=QWEN3_REASONING,
                                       prompt=QWEN3_PROMPT)
     assert accepts(tokenizer, qwen_thinking, "<think>\nhmm\n</think>\n\n" + qwen3(GOOD[1:]))
     assert accepts(tokenizer, qwen_thinking, qwen3(GOOD[1:]))
-    no_think = tool_call_grammar(QWEN3_TOOL_CALLS, TOOLS, single=True, reasoning=QWEN3_REASONING, prompt=QWEN3_NO_THINK)
+    no_think = grammar(tokenizer, QWEN3_TOOL_CALLS, TOOLS, single=True, reasoning=QWEN3_REASONING,
+                       prompt=QWEN3_NO_THINK)
     assert not accepts(tokenizer, no_think, "<think>\nhmm\n</think>\n\n" + qwen3(GOOD[1:]))
 
 
@@ -121,9 +144,9 @@ def test_any_model_under_the_grammar_makes_valid_calls(tokenizer, fmt, prompt, r
     schema = dict(WEATHER["function"]["parameters"])
     schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "note"}   # free text: unbounded
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
-    grammar = tool_call_grammar(fmt, [tool], single=True, reasoning=reasoning, prompt=prompt)
+    forced = grammar(tokenizer, fmt, [tool], single=True, reasoning=reasoning, prompt=prompt)
     for seed in range(8):
-        text, complete = random_answer(tokenizer, grammar, seed)
+        text, complete = random_answer(tokenizer, forced, seed)
         assert complete, text
         parser = ChatOutputParser(prompt, reasoning, fmt)
         parser.feed(text)
