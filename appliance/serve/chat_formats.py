@@ -22,7 +22,10 @@ from appliance.serve.tool_parsers import DSML_TOOL_CALLS, QWEN3_TOOL_CALLS, Tool
 
 
 class ChatRenderer(Protocol):
-    source: str
+    """A Jinja ChatTemplate, or a format written in Python (DeepSeek V4's encoder)."""
+
+    @property
+    def source(self) -> str: ...
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str: ...

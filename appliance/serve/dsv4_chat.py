@@ -111,6 +111,7 @@ def merge_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
             call_order = {c["id"]: i for i, c in enumerate(message["tool_calls"]) if c.get("id")}
+        part: tuple[int | None, str]
         if role == "tool":
             part = (call_order.get(message.get("tool_call_id") or "", 0),
                     f"<tool_result>{message.get('content') or ''}</tool_result>")

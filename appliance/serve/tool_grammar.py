@@ -82,9 +82,9 @@ class Markup:
         `marker` and the marker. Text before the marker's first special token ends the free text's terminal; the
         rest of the marker follows it."""
         pieces = self.split(marker)
-        stop = ""
-        while pieces and isinstance(pieces[0], str):
-            stop += pieces.pop(0)
+        first_special = next((k for k, p in enumerate(pieces) if isinstance(p, int)), len(pieces))
+        stop = "".join(str(p) for p in pieces[:first_special])
+        pieces = pieces[first_special:]
         if stop:
             m = lark_regex_literal(stop)
             terminal = f"/(.|\\n){length}{m}/ & ~/(.|\\n)*{m}(.|\\n)+/"
