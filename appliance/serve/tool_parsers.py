@@ -186,6 +186,9 @@ class ToolCallParser:
 
     def feed(self, delta: str) -> ToolEvents:
         events = ToolEvents()
+        if self.in_block and not self.failed and self.held and ">" not in delta:
+            self.held += delta          # every marker that completes a call or a block ends with ">": wait for one
+            return events
         text = self.held + delta
         self.held = ""
         while text:

@@ -160,3 +160,33 @@ def test_without_parsers_the_text_is_the_content():
     assert parser.feed("<think>a</think><tool_call>") == [{"content": "<think>a</think><tool_call>"}]
     assert parser.finish() == [] and parser.message.body() == {"role": "assistant",
                                                               "content": "<think>a</think><tool_call>"}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_not():
+    case = CASES["qwen3 thinking, calls"]
+    parser = ChatOutputParser(case[0], case[1], case[2], max_calls=1)
+    stream = [d for ch in case[3] for d in parser.feed(ch)] + parser.finish()
+    assert [c["function"]["name"] for c in parser.message.body()["tool_calls"]] == ["get_weather"]
+    assert reassembled(stream)["tool_calls"] == [("get_weather", DSV4_ARGS[0])]
+
+
+def test_a_long_argument_streams_in_linear_time():
+    """A call's text is parsed again only when a delta may close a tag (every tag ends with ">"): a 200k-character
+    argument fed 4 characters at a time takes about as many parse passes as it has tags."""
+    value = "x" * 200_000
+    answer = ("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"w\">\n<｜DSML｜parameter name=\"t\" string=\"true\">"
+              f"{value}</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    parser = ChatOutputParser(DSV4_CHAT_PROMPT, DSV4_REASONING, DSML_TOOL_CALLS)
+    calls = []
+    read_block = parser.tools.fmt.read_block
+
+    class Counting(type(parser.tools.fmt)):
+        def read_block(self, text):
+            calls.append(len(text))
+            return read_block(text)
+    parser.tools.fmt = Counting(parser.tools.fmt.name, parser.tools.fmt.start)
+    for i in range(0, len(answer), 4):
+        parser.feed(answer[i:i + 4])
+    parser.finish()
+    assert json.loads(parser.message.tool_calls[0].arguments) == {"t": value}
+    assert len(calls) < 20
