@@ -139,3 +139,17 @@ def test_a_call_with_arguments_that_are_not_json_is_400_naming_them(served):
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
     status, answer = request(port, "/v1/chat/completions", {"messages": messages})
     assert status == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_malformed_call_comes_back_as_content_streamed_or_not(running):
+    bad_call = ("\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+                "<｜DSML｜parameter name=\"days\" string=\"false\">three</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+                "</｜DSML｜tool_calls>")
+    port = http_port(running(reply="Sure." + bad_call))
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30) as client:
+        r = client.chat.completions.create(model="deepseek-v4-tiny", messages=MESSAGES, tools=[WEATHER])
+        assert r.choices[0].message.content == "Sure." + bad_call and r.choices[0].message.tool_calls is None
+        assert r.choices[0].finish_reason == "stop"
+        whole, reason = streamed(client.chat.completions.create(model="deepseek-v4-tiny", messages=MESSAGES,
+                                                                tools=[WEATHER], stream=True))
+        assert whole == {"content": "Sure." + bad_call, "reasoning": None, "calls": []} and reason == "stop"
