@@ -119,18 +119,21 @@ def test_tool_results_and_earlier_calls_render_into_the_prompt(served):
     assert "\"name\": \"get_weather\"" in prompt             # the tool's schema in the tools section
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+@pytest.mark.parametrize("body, param, why", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice",
+     "'nope' is not among the tools ('get_weather')"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "'none', 'auto' or 'required'"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name",
+     "Field required"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined with response_format"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "valid boolean"),
 ])
-def test_bad_tool_requests_are_400_naming_the_field(served, body, param):
+def test_bad_tool_requests_are_400_naming_the_field(served, body, param, why):
     _, port, _ = served
     status, answer = request(port, "/v1/chat/completions", {"messages": MESSAGES, **body})
-    assert status == 400 and answer["error"]["param"] == param, answer
+    assert status == 400 and answer["error"]["param"] == param and why in answer["error"]["message"], answer
 
 
 def test_a_call_with_arguments_that_are_not_json_is_400_naming_them(served):
