@@ -169,7 +169,6 @@ class ToolCallFormat:
 
 DSML_TOOL_CALLS = ToolCallFormat("dsml", DSML_BLOCK_START)
 QWEN3_TOOL_CALLS = ToolCallFormat("qwen3", QWEN3_START)
-TOOL_CALL_FORMATS = {f.name: f for f in (DSML_TOOL_CALLS, QWEN3_TOOL_CALLS)}
 
 
 class ToolCallParser:
