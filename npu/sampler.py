@@ -72,6 +72,26 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     return out
 
 
+BITS_PER_WORD = 32
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks (bit j of word w allows id 32 * w + j, llguidance's and xgrammar's layout) ->
+    [rows, vocab_size] bool. Shifting the sign bit of a negative word is an arithmetic shift: `& 1` still reads it."""
+    bits = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+@torch.inference_mode()
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set logits[rows[i], t] to -inf (in place) for every token t that bitmask[i] does not allow: the grammar of a
+    structured-output row. Greedy, sampling and logprobs then all read the masked logits. Rows not listed (the
+    unconstrained ones) are not read or written."""
+    idx = torch.tensor(rows, device=logits.device)
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+
+
 class Sampler:
     def __init__(self, device: torch.device, base_seed: int = 0):
         self.device = device

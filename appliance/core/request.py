@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
+from appliance.core.constraint import ConstraintError, OutputConstraint, validate_constraint
+
 
 class FinishReason(str, Enum):
     LENGTH = "length"      # max_tokens or max_model_len reached
@@ -27,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; N >= 0: each sampled token's logprob and the N most likely
     prompt_logprobs: int | None = None   # None: none; N >= 0: each prompt token's logprob and the N most likely
+    # Structured output (appliance.core.constraint): the output must match it; the engine masks every other token.
+    constraint: OutputConstraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +198,11 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
     if bad:
         raise RequestError("sampling.stop_token_ids",
                            f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    if params.constraint is not None:
+        try:
+            validate_constraint(params.constraint)
+        except ConstraintError as exc:
+            raise RequestError(exc.field, str(exc)) from None
 
 
 def validate_prompt_text(text: str, limits: RequestLimits, field_name: str = "prompt") -> None:

@@ -26,6 +26,12 @@ log = logging.getLogger("appliance.core.tokenizer")
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
+# The markers of the chat formats the tiny models serve, one token each as in the released tokenizers (and kept
+# in decoded text, as those mark them: not special): DeepSeek V4's (its encoder's BOS/EOS, roles, thinking and the
+# DSML tool-call marker) and Qwen3's (ChatML turns, thinking, <tool_call>). The last ids of the vocabulary.
+CHAT_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "｜DSML｜",
+               "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               "<|im_start|>", "<|im_end|>")
 # Names checkpoints commonly give their end-of-sequence token, tried when no config names it.
 EOS_NAMES = (EOS, "<|endoftext|>", "<|im_end|>", "</s>", "<｜end▁of▁sentence｜>", "<eos>")
 
@@ -69,17 +75,19 @@ one, 9 degrees at eight; 12 boats on the river, 150 loaves sold, 42 visitors at 
 
 
 def _train(vocab_size: int, text: str) -> HfTokenizer:
-    base = 256 + len(SPECIAL_TOKENS)
+    base = 256 + len(SPECIAL_TOKENS) + len(CHAT_TOKENS)
     if vocab_size < base:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer: it needs at least "
-                         f"{base} ids (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+                         f"{base} ids (256 bytes + {len(SPECIAL_TOKENS)} special tokens + {len(CHAT_TOKENS)} chat "
+                         f"format markers)")
     tk = HfTokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(CHAT_TOKENS), min_frequency=1, show_progress=False,
                                   special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    tk.add_tokens(list(CHAT_TOKENS))
     short = vocab_size - tk.get_vocab_size(with_added_tokens=True)
     if short > 0:  # the text ran out of merges: fill the remaining ids so ids match the embedding rows
         tk.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])

@@ -33,6 +33,7 @@ from appliance.core.request import (
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
 from appliance.core.tokenizer import Tokenizer
+from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, wants_prompt_logits
 from appliance.engine.preflight import Preflight, preflight
@@ -42,7 +43,7 @@ from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
 from npu.backends import Backend
 from npu.device_group import RanksLostError, start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
-from npu.sampler import Sampler
+from npu.sampler import Sampler, apply_token_bitmask
 from npu.step import SeqStep, StepBatch, StepExecutor
 
 log = logging.getLogger("appliance.engine.loop")
@@ -96,6 +97,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.limits: RequestLimits | None = None
+        self.grammars: GrammarCompiler | None = None   # structured output: matchers of constrained requests
         self.steps = 0
         self._preflight: Preflight | None = None
         self._stats = StatsRecorder()
@@ -131,6 +133,7 @@ class Engine:
         checked = self.prepare()
         self.limits = RequestLimits(self.rc.model.layout.vocab_size, self.rc.max_model_len,
                                     checked.tokenizer.max_token_bytes)
+        self.grammars = GrammarCompiler(checked.tokenizer, self.rc.model.layout.vocab_size)
         self.backend = checked.backend
         launched: Future[StartupReport] = Future()
         self._thread = threading.Thread(target=self._launch_and_loop, args=(checked, launched), name="engine-loop",
@@ -214,6 +217,18 @@ class Engine:
         handle = RequestHandle(self, request_id)
         seq = Sequence(request_id, prompt_ids, params, on_output or handle.outputs.put)
         handle.seq = seq
+        if params.constraint is not None:     # compiled here, on the caller's thread, never on the loop's
+            seq.matcher = self.grammar_compiler().matcher(params.constraint)
+        try:
+            self._admit(seq)
+        except BaseException:
+            if seq.matcher is not None:
+                seq.matcher.close()
+            raise
+        return handle
+
+    def _admit(self, seq: Sequence) -> None:
+        request_id = seq.request_id
         with self._lock:
             if self.failure is not None:       # checked under the lock that _device_lost sets it under
                 raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
@@ -224,7 +239,11 @@ class Engine:
                     f"{len(self._in_flight)} requests in flight; the wait queue holds {self.rc.max_waiting_requests}")
             self._in_flight[request_id] = seq
             self._inbox.put(("add", seq))     # under the lock: an abort of an earlier holder of this id comes first
-        return handle
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise EngineUnavailableError("the engine is starting")
+        return self.grammars
 
     def abort(self, request_id: str) -> None:
         """Abort the request now holding request_id, if any."""
@@ -357,6 +376,7 @@ class Engine:
             add_prompt_logprobs(logits, rows)
             logits = logits.index_select(0, torch.tensor(rows.sample_rows, device=logits.device))
         samplers = [s for s in scheduled if s.samples]
+        self._mask_constrained(logits, [s.seq for s in samplers])
         tokens = sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
         logprobs = sampled_logprobs(logits, [s.seq.params for s in samplers], tokens)
         self.steps += 1
@@ -369,6 +389,18 @@ class Engine:
             if self._append(s.seq, token, logprob):
                 finished.append(s.seq)
         return finished
+
+    def _mask_constrained(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask the logits of the constrained rows (seqs[i] is row i) to what their grammars allow next, before
+        anything reads them: greedy, sampling and the sampled tokens' logprobs (which are therefore of the masked
+        distribution, as vLLM's, whose grammar bitmask is applied before its sampler). A step without a
+        constrained row builds nothing."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return
+        matchers = [m for m in (seqs[i].matcher for i in rows) if m is not None]
+        bitmask = self.grammar_compiler().fill_bitmask(matchers)
+        apply_token_bitmask(logits, rows, torch.from_numpy(bitmask))
 
     def _record_tokens(self, seqs: list[Sequence]) -> None:
         """Count the tokens this step samples for `seqs` and their latencies (before they are appended)."""
@@ -387,13 +419,22 @@ class Engine:
         """Append a sampled token, apply stop rules, stream the delta. True when the sequence finished."""
         p = seq.params
         seq.append_token(token, logprob)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.accept(token):    # the mask allowed only what the grammar accepts: an engine fault
+                seq.error = f"the grammar refused token {token}, which its mask allowed: {seq.matcher.error()}"
+                self._finish(seq, FinishReason.ABORTED)
+                return True
+            grammar_done = seq.matcher.terminated
         if token == self.tokenizer.eos_token_id and not p.ignore_eos:
             seq.finish_reason = FinishReason.EOS
         elif token in p.stop_token_ids:
             seq.finish_reason = FinishReason.STOP
+        elif grammar_done:                    # the grammar's last token is output: it keeps its text
+            seq.finish_reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.rc.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        if seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):   # those tokens add no text
+        if grammar_done or seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):  # EOS, stop ids: no text
             detokenizer = seq.detokenizer
             if detokenizer is None:
                 detokenizer = seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)
@@ -424,6 +465,9 @@ class Engine:
         seq.finish_reason = reason
         started(self.scheduler).remove(seq)
         started(self._sampler).release(seq.request_id)
+        if seq.matcher is not None:
+            seq.matcher.close()
+            seq.matcher = None
         seq.num_text_emitted += len(new_text)
         with self._lock:
             if self._in_flight.get(seq.request_id) is seq:

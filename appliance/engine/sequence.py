@@ -9,6 +9,7 @@ from typing import Callable
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from appliance.core.tokenizer import IncrementalDetokenizer
+from appliance.engine.grammar import GrammarMatcher
 
 _arrival = itertools.count()
 
@@ -47,6 +48,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
+        # Structured output: the grammar state of the committed output tokens (set by the engine on submit).
+        self.matcher: GrammarMatcher | None = None
 
     @property
     def token_ids(self) -> list[int]:

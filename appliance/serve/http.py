@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.constraint import OutputConstraint
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.logs import REQUEST_ID
 from appliance.core.request import (
@@ -50,7 +51,9 @@ from appliance.core.request import (
     validate_prompt_text,
 )
 from appliance.serve.auth import bearer_token_matches
-from appliance.serve.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from appliance.serve.chat_formats import ChatFormat, load_chat_format
+from appliance.serve.chat_output import ChatOutputParser
+from appliance.serve.chat_template import ChatTemplateError
 from appliance.serve.http_limits import BodyLimit, uvicorn_limits
 from appliance.serve.metrics import metrics_registry, render
 from appliance.serve.openai_api import (
@@ -73,6 +76,7 @@ from appliance.serve.openai_api import (
 from appliance.serve.ports import suggested_port
 from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
+from appliance.serve.tool_grammar import marker_tokens, tool_call_grammar
 
 
 class ServingState(Protocol):
@@ -109,10 +113,10 @@ def _unfinished_error(out: RequestOutput, engine_stopped: bool) -> ApiError | No
 class OpenAIRoutes:
     """The handlers, reading the server's state, engine and executor through `server`."""
 
-    def __init__(self, server: ServingState, chat_template: ChatTemplate | None):
+    def __init__(self, server: ServingState, chat_format: ChatFormat | None):
         self.server = server
         self.model = server.rc.model.name
-        self.chat_template = chat_template
+        self.chat_format = chat_format or ChatFormat(None)
         self.created = int(time.time())
 
     # -- shared --------------------------------------------------------------------------------------
@@ -161,12 +165,14 @@ class OpenAIRoutes:
         return streams
 
     async def _respond(self, http: Request, streams: list[RequestStream], shape: ResponseShape, body: Any,
-                       render: Callable[[Collected], tuple[str, dict[str, Any] | None]],
-                       delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> Response:
-        """Stream the deltas of every choice (each chunk with its tokens' logprobs from delta_logprobs), or answer
-        once with the text and logprobs `render` makes of each whole choice."""
+                       render: Callable[[Collected, str | None], tuple[Any, str | None, dict[str, Any] | None]],
+                       delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None],
+                       new_parser: Callable[[], ChatOutputParser] | None = None) -> Response:
+        """Stream the deltas of every choice (each chunk with its tokens' logprobs from delta_logprobs; chat answers
+        through a parser from new_parser, which splits out reasoning and tool calls), or answer once with the text
+        (or message), finish reason and logprobs `render` makes of each whole choice and its finish reason."""
         if body.stream:
-            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs),
+            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs, new_parser),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
         collect = asyncio.ensure_future(asyncio.gather(*(self._collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_until_disconnected(http))
@@ -187,9 +193,8 @@ class OpenAIRoutes:
         failure = next((f for f in (_unfinished_error(last, stopped) for _, last in results) if f is not None), None)
         if failure is not None:
             raise failure
-        choices = [(*render(collected), finish_reason(last)) for collected, last in results]
-        return JSONResponse(shape.full_choices([(text, reason, lp) for text, lp, reason in choices],
-                                               choices_usage([last.usage for _, last in results])),
+        choices = [render(collected, finish_reason(last)) for collected, last in results]
+        return JSONResponse(shape.full_choices(choices, choices_usage([last.usage for _, last in results])),
                             headers={"x-request-id": shape.id})
 
     def _engine_stopped(self) -> bool:
@@ -206,8 +211,10 @@ class OpenAIRoutes:
                 return collected, out
 
     async def _events(self, streams: list[RequestStream], shape: ResponseShape, include_usage: bool,
-                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
+                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None],
+                      new_parser: Callable[[], ChatOutputParser] | None = None) -> AsyncIterator[str]:
         """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished."""
+        parsers = [new_parser() for _ in streams] if new_parser is not None else None
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -227,7 +234,14 @@ class OpenAIRoutes:
                 i, out = await merged.get()
                 finished = out.finished or out.error is not None
                 logprobs = delta_logprobs(i, out) if out.new_token_ids else None
-                if out.new_text or logprobs is not None:
+                if parsers is not None:
+                    fields = parsers[i].feed(out.new_text) if out.new_text else []
+                    if out.finished and out.error is None and out.finish_reason != FinishReason.ABORTED:
+                        fields += parsers[i].finish()
+                    for k, delta in enumerate(fields or ([{}] if logprobs is not None else [])):
+                        yield _sse(shape.chunk(None, None, include_usage, logprobs=logprobs if k == 0 else None,
+                                               index=i, delta_fields=delta))
+                elif out.new_text or logprobs is not None:
                     yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i))
                 if not finished:
                     continue
@@ -239,8 +253,10 @@ class OpenAIRoutes:
                     yield _sse(failure.body())
                     include_usage = False
                     break
-                yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage,
-                                       index=i))
+                reason = finish_reason(out)
+                yield _sse(shape.chunk(None if shape.kind == "chat" else "",
+                                       parsers[i].finish_reason(reason) if parsers is not None else reason,
+                                       include_usage, index=i))
             if include_usage:
                 yield _sse(shape.usage_chunk(choices_usage(usages)))
             yield "data: [DONE]\n\n"
@@ -276,7 +292,7 @@ class OpenAIRoutes:
             offsets[index] += sum(len(t) for t in part["tokens"])
             return part
 
-        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
+        def render(got: Collected, reason: str | None) -> tuple[str, str | None, dict[str, Any] | None]:
             text, ids, entries = got.text, list(got.token_ids), list(got.logprobs)
             if body.echo_only:
                 text, ids, entries = "", [], []
@@ -284,8 +300,8 @@ class OpenAIRoutes:
                 text = (prompt if isinstance(prompt, str) else self.server.engine.tokenizer.decode(prompt)) + text
                 ids, entries = [*got.prompt_token_ids, *ids], [*got.prompt_logprobs, *entries]
             if body.logprobs is None:
-                return text, None
-            return text, completion_logprobs(entries, ids, token_text)
+                return text, reason, None
+            return text, reason, completion_logprobs(entries, ids, token_text)
         return await self._respond(http, streams, ResponseShape("completion", request_id, self.model), body,
                                    render, delta_logprobs)
 
@@ -298,26 +314,59 @@ class OpenAIRoutes:
         request_id = _request_id(http)
         srv = self.server
         renamed = {"prompt": "messages", "max_tokens": body.max_tokens_field}
-        ids = await self._chat_ids(body, renamed)
+        tool_mode, named = body.tool_choice_mode()
+        fmt = self.chat_format
+        if tool_mode in ("required", "named") and fmt.tool_calls is None:
+            raise invalid("tool_choice", f"model {self.model!r} ({srv.rc.model.arch}) has no known tool-call format "
+                                         f"to force; send \"auto\" or \"none\"")
+        prompt, ids = await self._chat_prompt(body, renamed)
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        if tool_mode in ("required", "named"):
+            params = self._force_tool_calls(body, params, prompt, named)
         streams = await self._open_choices(request_id, ids, params, {**renamed, "logprobs": "top_logprobs"}, body.n)
         num_top = body.top_logprobs or 0
 
         def delta_logprobs(_: int, out: RequestOutput) -> dict[str, Any] | None:
             return chat_logprobs(out.logprobs, num_top, self._token_text) if out.logprobs is not None else None
 
-        def render(got: Collected) -> tuple[str, dict[str, Any] | None]:
-            return got.text, chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None
-        return await self._respond(http, streams, ResponseShape("chat", request_id, self.model), body,
-                                   render, delta_logprobs)
+        tool_calls = fmt.tool_calls if tool_mode != "none" else None
+        max_calls = None if body.parallel_tool_calls else 1
 
-    async def _chat_ids(self, body: ChatCompletionRequest, renamed: dict[str, str],
-                        encode: Callable[[str], list[int]] | None = None) -> list[int]:
-        """The chat rendered with the checkpoint's template and tokenized (by `encode`, default the engine's)."""
-        if self.chat_template is None:
+        def new_parser() -> ChatOutputParser:
+            return ChatOutputParser(prompt, fmt.reasoning, tool_calls, max_calls)
+
+        def render(got: Collected, reason: str | None) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+            parser = new_parser()
+            parser.feed(got.text)
+            parser.finish()
+            return (parser.message.body(), parser.finish_reason(reason),
+                    chat_logprobs(got.logprobs, num_top, self._token_text) if body.logprobs else None)
+        return await self._respond(http, streams, ResponseShape("chat", request_id, self.model), body,
+                                   render, delta_logprobs, new_parser)
+
+    def _force_tool_calls(self, body: ChatCompletionRequest, params: SamplingParams, prompt: str,
+                          named: str | None) -> SamplingParams:
+        """tool_choice required or named: the answer is constrained to calls in the model's format (the grammar
+        engine masks every other token), one call when named or parallel_tool_calls is false."""
+        if params.constraint is not None:
+            raise invalid("tool_choice", f"{body.tool_choice!r} cannot be combined with response_format or "
+                                         f"structured_outputs (both constrain the whole answer)")
+        fmt = self.chat_format
+        tools = [t for t in body.template_tools() or () if named is None or t["function"]["name"] == named]
+        token_to_id = getattr(self.server.engine.tokenizer, "token_to_id", lambda _: None)
+        grammar = tool_call_grammar(fmt.tool_calls, tools, single=named is not None or not body.parallel_tool_calls,
+                                    reasoning=fmt.reasoning, prompt=prompt,
+                                    specials=marker_tokens(fmt.tool_calls, fmt.reasoning, token_to_id))
+        return dataclasses.replace(params, constraint=OutputConstraint.grammar(grammar, field="tool_choice"))
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, renamed: dict[str, str],
+                           encode: Callable[[str], list[int]] | None = None) -> tuple[str, list[int]]:
+        """The chat rendered in the model's chat format, and tokenized (by `encode`, default the engine's)."""
+        renderer = self.chat_format.renderer
+        if renderer is None:
             raise invalid("messages", f"model {self.model!r} has no chat template (no chat_template in its "
                                       f"tokenizer_config.json nor a chat_template.jinja): use /v1/completions")
         srv = self.server
@@ -329,11 +378,12 @@ class OpenAIRoutes:
         body.refuse_invalid_unicode()
         messages = [m.template_value(i) for i, m in enumerate(body.messages)]
 
-        def render_and_encode() -> list[int]:          # on the executor: rendering and tokenizing take time
-            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                             tools=body.tools, **kwargs)
+        tools = body.template_tools()
+
+        def render_and_encode() -> tuple[str, list[int]]:    # on the executor: rendering and tokenizing take time
+            text = renderer.render(messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **kwargs)
             validate_prompt_text(text, limits)        # the rendered chat is bounded like a prompt
-            return encode(text)
+            return text, encode(text)
         try:
             return await asyncio.get_running_loop().run_in_executor(srv.executor, render_and_encode)
         except ChatTemplateError as exc:
@@ -358,7 +408,7 @@ class OpenAIRoutes:
                 raise _request_error(exc, {}) from None
             ids = await asyncio.get_running_loop().run_in_executor(self.server.executor, encode, body.prompt)
         else:
-            ids = await self._chat_ids(body.chat(), {"prompt": "messages"}, encode)
+            _, ids = await self._chat_prompt(body.chat(), {"prompt": "messages"}, encode)
         return {"count": len(ids), "max_model_len": self.server.rc.max_model_len, "tokens": ids,
                 "token_strs": [self._token_text(i) for i in ids] if body.return_token_strs else None}
 
@@ -424,8 +474,8 @@ async def _until_disconnected(http: Request) -> None:
         pass
 
 
-def create_app(server: ServingState, chat_template: ChatTemplate | None) -> FastAPI:
-    routes = OpenAIRoutes(server, chat_template)
+def create_app(server: ServingState, chat_format: ChatFormat | None) -> FastAPI:
+    routes = OpenAIRoutes(server, chat_format)
     token = server.rc.server.auth_token
     registry = metrics_registry(server.engine.stats, routes.model)
     app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None,
@@ -528,10 +578,10 @@ class HttpFrontEnd:
         sock = self._socket
         try:
             try:
-                chat_template = load_chat_template(self.server.rc.model)
+                chat_format = load_chat_format(self.server.rc.model)
             except ChatTemplateError as exc:      # a startup fault like a bad config: exit 2, naming the file
                 raise ConfigError([ConfigIssue("model.weights", self.server.rc.model.weights, str(exc))]) from None
-            app = BodyLimit(create_app(self.server, chat_template), srv.http_max_body_bytes)
+            app = BodyLimit(create_app(self.server, chat_format), srv.http_max_body_bytes)
             config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                     ssl_certfile=srv.tls_cert_file, ssl_keyfile=srv.tls_key_file,
                                     timeout_graceful_shutdown=max(grace_s, 0.1),

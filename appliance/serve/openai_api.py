@@ -3,9 +3,12 @@
 Requests are pydantic models (FastAPI validates the JSON against them), strict where the OpenAI spec is strict:
 `"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer is still accepted where a number is
 expected); responses are plain dicts in the documented OpenAI shapes. A top-level field the models do not declare
-(`best_of`, `response_format`, `tool_choice`, a typo) is a 400 naming it, and declared ones the engine cannot
-honour (penalties, logit_bias, suffix, echo with stream) are refused likewise: nothing is silently ignored (inside
-a chat message, keys other than role, content and name still are). Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+(a typo) is a 400 naming it, and declared ones the engine cannot honour (penalties, logit_bias,
+suffix, echo with stream) are refused likewise: nothing is silently ignored (inside a chat message, keys other than
+role, content, name, tool_calls, tool_call_id and reasoning still are). Beyond OpenAI: top_k, ignore_eos,
+stop_token_ids and structured_outputs (as vLLM accepts them). `response_format` and `structured_outputs` become the
+request's OutputConstraint (appliance/serve/structured.py); so does `tool_choice` "required" or a named function
+(appliance/serve/tool_grammar.py).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
 "raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
@@ -14,6 +17,7 @@ the model's raw distribution (log_softmax of the logits before temperature, top-
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Annotated, Any, Callable, Literal, Sequence
 
@@ -29,6 +33,13 @@ from appliance.core.request import (
     lone_surrogate_at,
 )
 from appliance.serve.chat_template import RENDERER_NAMES
+from appliance.serve.structured import (
+    ConstraintFieldError,
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredOutputs,
+    request_constraint,
+)
 
 # Engine finish reasons as OpenAI spells them. An aborted request has none of OpenAI's reasons (stop, length,
 # content_filter, tool_calls): its stream ends with an error event instead (see OpenAIRoutes._events).
@@ -122,6 +133,8 @@ class _Sampling(_Request):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None          # OpenAI: text, json_object, json_schema
+    structured_outputs: StructuredOutputs | None = None    # vLLM's extension: json, regex, choice, grammar
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -139,11 +152,15 @@ class _Sampling(_Request):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            constraint = request_constraint(self.response_format, self.structured_outputs)
+        except ConstraintFieldError as exc:
+            raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
             seed=self.seed, stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, constraint=constraint)
 
 
 class CompletionRequest(_Sampling):
@@ -187,18 +204,38 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str                     # a JSON object as a string (what the API returned)
+
+
+class ToolCallIn(_Strict):
+    """A call in an earlier assistant message, as the API returned it."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None        # assistant: the calls it made
+    tool_call_id: str | None = None                   # tool: the call this result answers
+    reasoning_content: str | None = None              # assistant: its reasoning (DeepSeek's name)
+    reasoning: str | None = None                      # the same under vLLM's name
 
     def text_chars(self) -> int:
         """Characters of text this message brings to the chat (a character is at least one byte)."""
         content = self.content if isinstance(self.content, list) else [ContentPart(type="text", text=self.content)]
-        return len(self.role) + len(self.name or "") + sum(len(part.text or "") for part in content)
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return (len(self.role) + len(self.name or "") + sum(len(part.text or "") for part in content) + calls
+                + len(self.reasoning_content or self.reasoning or "") + len(self.tool_call_id or ""))
 
     def template_value(self, index: int) -> dict[str, Any]:
-        """The message as chat templates read it; content parts of type text are joined."""
+        """The message as chat templates read it; content parts of type text are joined; tool calls' arguments
+        as objects (templates iterate them; vLLM parses them likewise); reasoning under both of its names."""
         content = self.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -208,10 +245,55 @@ class ChatMessage(_Strict):
                 if part.text is None:
                     raise invalid(f"messages[{index}].content[{j}].text", "a text part needs a string \"text\"")
             content = "".join(part.text for part in content)
-        value = {"role": self.role, "content": content or ""}
+        value: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             value["name"] = self.name
+        if self.tool_calls:
+            value["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": json_object(call.function.arguments,
+                                                                     f"messages[{index}].tool_calls[{j}].function"
+                                                                     f".arguments")}}
+                for j, call in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            value["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            value["reasoning_content"] = value["reasoning"] = reasoning
         return value
+
+
+def json_object(text: str, param: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise invalid(param, f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise invalid(param, "must be a JSON object")
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function; keys beyond OpenAI's reach the template as given."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _at_most_messages(value: Any) -> Any:
@@ -227,9 +309,31 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True             # false: at most one call (the first, or the one forced)
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as templates read them (OpenAI's JSON shape), or None without tools."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def tool_choice_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function): OpenAI's default is auto with tools, none
+        without; required and named need tools, and a named function must be one of them."""
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else "none"), None
+        if isinstance(choice, str):
+            if choice == "required" and not self.tools:
+                raise invalid("tool_choice", "\"required\" needs tools")
+            return choice, None
+        names = [tool.function.name for tool in self.tools or ()]
+        if choice.function.name not in names:
+            raise invalid("tool_choice", f"the function {choice.function.name!r} is not among the tools "
+                                         f"({', '.join(map(repr, names)) or 'none given'})")
+        return "named", choice.function.name
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -269,8 +373,8 @@ class ChatCompletionRequest(_Sampling):
             bad = lone_surrogate_path(message.model_dump(exclude_none=True), f"messages[{i}]")
             if bad:
                 raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
-        for name in ("tools", "chat_template_kwargs"):
-            bad = lone_surrogate_path(getattr(self, name), name)
+        for name, value in (("tools", self.template_tools()), ("chat_template_kwargs", self.chat_template_kwargs)):
+            bad = lone_surrogate_path(value, name)
             if bad:
                 raise invalid(bad, "contains a lone surrogate (e.g. \\ud800): send valid Unicode text")
 
@@ -284,7 +388,7 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessage], BeforeValidator(_at_most_messages)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = False   # True: the BOS token first (neither completions route adds it to a prompt)
     return_token_strs: bool = False
 
@@ -302,8 +406,10 @@ class DetokenizeRequest(_Request):
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models, to tell them from union members in pydantic error locations."""
     models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
-                                     TokenizeRequest, DetokenizeRequest]
-    return frozenset(name for model in models for name in model.model_fields)
+                                     TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat,
+                                     StructuredOutputs, ToolCallIn, FunctionCallIn, ToolDefinition, FunctionDefinition,
+                                     NamedToolChoice, NamedFunction]
+    return frozenset(name for model in models for name in model.model_fields) | {"json", "schema"}
 
 
 # -- responses ---------------------------------------------------------------------------------------
@@ -398,13 +504,14 @@ class ResponseShape:
         """The non-streaming response of one choice."""
         return self.full_choices([(text, reason, logprobs)], usage)
 
-    def full_choices(self, choices: list[tuple[str, str | None, dict[str, Any] | None]],
+    def full_choices(self, choices: list[tuple[Any, str | None, dict[str, Any] | None]],
                      usage: Usage | None) -> dict[str, Any]:
-        """The non-streaming response: (text, finish reason, logprobs) of each choice, in index order."""
+        """The non-streaming response: (text, or for chat the whole message, finish reason, logprobs) of each
+        choice, in index order."""
         if self.kind == "chat":
             body = self._envelope("chat.completion", [
-                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)])
+                {"index": i, "message": text if isinstance(text, dict) else {"role": "assistant", "content": text},
+                 "logprobs": logprobs, "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)])
         else:
             body = self._envelope("text_completion", [
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
@@ -413,12 +520,15 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
-              logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
-        """One streamed chunk of choice `index`; with include_usage every chunk but the last carries usage null."""
+              logprobs: dict[str, Any] | None = None, index: int = 0,
+              delta_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice `index` (chat: its delta's content, or `delta_fields` such as reasoning or
+        tool calls); with include_usage every chunk but the last carries usage null."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            delta.update(delta_fields or {})
             body = self._envelope("chat.completion.chunk",
                                   [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
         else:

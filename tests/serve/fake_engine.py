@@ -72,13 +72,16 @@ def fake_logprobs(req: "FakeRequest", tok: int) -> dict:
 
 
 class FakeEngine:
-    """Engine stand-in. start_gate / drain_gate hold start() / drain() until set; a prompt "boom" fails."""
+    """Engine stand-in. start_gate / drain_gate hold start() / drain() until set; a prompt "boom" fails. With
+    `reply`, every request answers that text, one character per step (its UTF-8 bytes as the token ids), and
+    stops at its end (finish reason stop) unless max_tokens comes first."""
 
     VOCAB = 256
 
     def __init__(self, rc, *, step_s: float = 0.002, max_requests: int = 64, start_gate=None, drain_gate=None,
-                 start_error: BaseException | None = None):
+                 start_error: BaseException | None = None, reply: str | None = None):
         self.rc, self.step_s, self.max_requests, self.start_error = rc, step_s, max_requests, start_error
+        self.reply = reply
         self.start_gate, self.drain_gate = start_gate, drain_gate
         self.tokenizer = ByteTokenizer()
         self.limits = RequestLimits(self.VOCAB, rc.max_model_len, self.tokenizer.max_token_bytes)
@@ -163,6 +166,9 @@ class FakeEngine:
                 if req.prompt == list(b"boom") and req.produced == 1:
                     req.on_output(self._finish(req, FinishReason.ABORTED, error="injected kernel failure"))
                     continue
+                if self.reply is not None:
+                    self._reply_step(req)
+                    continue
                 tok = fake_token(req.prompt, req.produced)
                 req.produced += 1
                 if req.produced >= req.params.max_tokens:
@@ -171,6 +177,16 @@ class FakeEngine:
                                                       **fake_logprobs(req, tok)))
                 else:
                     req.on_output(RequestOutput(req.rid, (tok,), chr(tok), **fake_logprobs(req, tok)))
+
+    def _reply_step(self, req: FakeRequest) -> None:
+        char = self.reply[req.produced]
+        req.produced += 1
+        ids, done = tuple(char.encode()), req.produced == len(self.reply) or req.produced >= req.params.max_tokens
+        if done:
+            reason = FinishReason.STOP if req.produced == len(self.reply) else FinishReason.LENGTH
+            req.on_output(dataclasses.replace(self._finish(req, reason), new_token_ids=ids, new_text=char))
+        else:
+            req.on_output(RequestOutput(req.rid, ids, char))
 
     def drain(self, grace_s: float) -> None:
         self.draining = True

@@ -61,8 +61,8 @@ def test_models_lists_max_model_len(served):  # noqa: F811
 
 @pytest.mark.parametrize("route, field, value", [
     (COMPLETIONS, "best_of", 2), (COMPLETIONS, "min_p", 0.1), (COMPLETIONS, "repetition_penalty", 1.2),
-    (CHAT, "response_format", {"type": "json_object"}), (CHAT, "tool_choice", "auto"),
-    (CHAT, "parallel_tool_calls", False), (CHAT, "reasoning_effort", "low"), (CHAT, "no_such_field", 1),
+    (CHAT, "guided_json", {"type": "object"}), (CHAT, "function_call", "auto"),
+    (CHAT, "functions", [{"name": "f"}]), (CHAT, "reasoning_effort", "low"), (CHAT, "no_such_field", 1),
 ])
 def test_unsupported_fields_are_refused_naming_them(served, route, field, value):  # noqa: F811
     base = {"prompt": "hi", "max_tokens": 2} if route == COMPLETIONS else \
