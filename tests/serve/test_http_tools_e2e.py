@@ -18,9 +18,9 @@ pytest.importorskip("llguidance")
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.tokenizer import load_tokenizer_for  # noqa: E402
 from appliance.serve.dsv4_chat import Dsv4ChatFormat  # noqa: E402
-from npu.checkpoint import write_tiny_checkpoint  # noqa: E402
 from tests.serve.qwen3_template import QWEN3_CHAT_TEMPLATE  # noqa: E402
 from tests.serve.test_server_e2e import ServerProcess, wait_for  # noqa: E402
+from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
