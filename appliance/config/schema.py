@@ -79,6 +79,17 @@ def _schema_default(f: dataclasses.Field[Any], tp: Any) -> Any:
     return field(default=MISSING)
 
 
+def _published(name: str, fields: list[tuple[str, Any, Any]], source: type) -> type:
+    """A schema dataclass that is an attribute of this module, so a composed config pickles by reference (the
+    joblib sweep launcher sends configs to worker processes, which derive the same classes on import)."""
+    if name in globals():                                    # another core class of the same name (a test's)
+        name = f"{source.__module__}.{source.__qualname__}Schema".replace(".", "_")
+    cls = make_dataclass(name, fields)
+    cls.__module__ = __name__
+    globals()[name] = cls
+    return cls
+
+
 @functools.cache
 def schema_class(cls: type) -> type:
     """The mutable schema dataclass of a frozen core settings class (same field names and order)."""
@@ -92,7 +103,7 @@ def schema_class(cls: type) -> type:
             out.append((f.name, Optional[tp], field(default=None)))
         else:
             out.append((f.name, tp, _schema_default(f, tp)))
-    return make_dataclass(f"{cls.__name__}Schema", out)
+    return _published(f"{cls.__name__}Schema", out, cls)
 
 
 @functools.cache
@@ -106,17 +117,12 @@ def layout_schema() -> type:
             st = schema_type(tp)
             if kinds.setdefault(name, st) != st:
                 raise TypeError(f"layout key {name} has two types ({kinds[name]}, {st}): give it one across archs")
-    return make_dataclass("LayoutSchema", [(name, tp, field(default=MISSING)) for name, tp in kinds.items()])
+    return _published("LayoutSchema", [(name, tp, field(default=MISSING)) for name, tp in kinds.items()], Layout)
 
 
 def appliance_schema(runtime_type: type = RuntimeConfig) -> type:
     """The whole schema (ConfigStore "appliance_schema"), derived from the runtime config type."""
     return schema_class(runtime_type)
-
-
-def layout_types() -> dict[str, type[Layout]]:
-    """Each architecture's layout type, by model.arch."""
-    return {name: arch.layout for name, arch in ARCHITECTURES.items()}
 
 
 # conf/model/hf.yaml's value for every key the composer fills from <model.weights>/config.json
@@ -126,6 +132,9 @@ CONFIG_JSON_PLACEHOLDER = "${config_json:}"
 
 def _config_json_placeholder() -> str:
     return "<filled from model.weights/config.json>"
+
+
+appliance_schema()        # derived on import: a worker process unpickling a composed config finds every class
 
 
 def register_schema(runtime_type: type = RuntimeConfig) -> None:
