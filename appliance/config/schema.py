@@ -72,9 +72,11 @@ def _schema_default(f: dataclasses.Field[Any], tp: Any) -> Any:
         if isinstance(value, (dict, list)):
             return field(default_factory=lambda: type(value)(value))
         return field(default=value)
-    if f.default_factory is not dataclasses.MISSING:
-        raise TypeError(f"{f.name}: a core settings field has a plain default or none (default_factory is not derived)")
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+    made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    if made is not None and not (dataclasses.is_dataclass(made) and made == type(made)()):
+        raise TypeError(f"{f.name}: a default_factory is derived only for a section at its own defaults; "
+                        f"give a plain default")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):      # a section: its fields' own defaults
         return field(default_factory=tp)
     return field(default=MISSING)
 
