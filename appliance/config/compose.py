@@ -22,7 +22,7 @@ from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
 from appliance.core.cache_groups import derive_cache_groups
-from appliance.core.checks import Checker
+from appliance.core.checks import Checker, declared_rule_issues
 from appliance.core.config import Layout, ModelSpec, RuntimeConfig, freeze
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.kv_cache_spec import CacheGroupSettings
@@ -125,10 +125,11 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
     if checker.issues:
         raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     layout = _freeze_layout(checker, cfg.model)
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    checker.issues += declared_rule_issues(runtime_type, plain)   # each rule declared with its setting
     _check_top_level(checker, cfg, layout)
     auth_token = _check_auth_token(checker, cfg.server)
     _check_layout(checker, cfg.model, layout)
-    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
     model = plain["model"]
     groups = ()
     if layout is not None and not any(i.path.startswith("model.layout") for i in checker.issues):
@@ -183,8 +184,6 @@ def _check_top_level(c: Checker, cfg: DictConfig, layout: Layout | None) -> None
     c.one_of("mode", cfg.mode, MODES)
     u = cfg.npu_memory_utilization
     c.check(isinstance(u, (int, float)) and 0 < u <= 1, "npu_memory_utilization", u, "must be in (0, 1]")
-    for key in ("decode_batch", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
-        c.positive_int(key, cfg[key])
     model = cfg.model
     cap = layout.max_model_len_cap if layout is not None else None
     if isinstance(cfg.max_model_len, int) and isinstance(cap, int):
@@ -248,8 +247,6 @@ def _check_top_level(c: Checker, cfg: DictConfig, layout: Layout | None) -> None
     c.one_of("logging.level", cfg.logging.level, LEVELS)
 
     bench = cfg.bench
-    for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):
-        c.positive_int(f"bench.{key}", bench[key])
     for lo, hi in (("prompt_len_min", "prompt_len_max"), ("output_len_min", "output_len_max")):
         if isinstance(bench[lo], int) and isinstance(bench[hi], int):
             c.check(bench[lo] <= bench[hi], f"bench.{lo}", bench[lo], f"must be <= bench.{hi} ({bench[hi]})")

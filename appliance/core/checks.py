@@ -3,6 +3,11 @@ reports through one Checker, so a config with several faults names them all at o
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from typing import Any
+
+from appliance.core.config import RULE
 from appliance.core.errors import ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES
 
@@ -41,3 +46,21 @@ class Checker:
 
     def one_of(self, path: str, value: object, allowed: tuple[str, ...]) -> bool:
         return self.check(value in allowed, path, value, f"must be one of {list(allowed)}")
+
+
+def declared_rule_issues(cls: type, values: dict[str, Any], prefix: str = "") -> list[ConfigIssue]:
+    """Every rule a field of `cls` declares (appliance.core.config.setting), checked on `values` (the composed
+    section as a plain dict) at the field's key path; nested sections too."""
+    hints = typing.get_type_hints(cls)
+    issues: list[ConfigIssue] = []
+    for f in dataclasses.fields(cls):
+        if f.name not in values or values[f.name] is None:
+            continue
+        value, rule = values[f.name], f.metadata.get(RULE)
+        why = rule(value) if rule is not None else None
+        if why:
+            issues.append(ConfigIssue(prefix + f.name, value, why))
+        section = hints[f.name]
+        if dataclasses.is_dataclass(section) and isinstance(section, type) and isinstance(value, dict):
+            issues += declared_rule_issues(section, value, f"{prefix}{f.name}.")
+    return issues

@@ -5,9 +5,11 @@ A setting is declared once, as a field of one of these frozen dataclasses (its t
 has one), with its value in conf/*.yaml. appliance/config/schema.py derives the Hydra structured-config schema
 from these classes (Hydra type-checks overrides against it and refuses unknown keys), and the composer
 (appliance/config/compose.py) checks the composed config and `freeze`s it into them, every section alike.
-Adding a setting is one line here plus its YAML default; a rule beyond its type goes in the composer's checks.
+Adding a setting is one line here plus its YAML default; a rule beyond its type is declared with it
+(`setting(rule=positive_int)`, appliance.core.rules), or, across fields, written in the composer's checks.
 
 Field metadata marks what is not a plain setting (plain dicts: no Hydra here):
+    setting(rule=R)       a rule beyond the type, checked by the composer at the field's key path
     derived()             the composer computes it; no YAML key (resolved_yaml)
     declared_as(T)        YAML declares a T; core derives the field's value from it (cache groups)
     chosen_group()        a config group picked with +group=...; null until chosen (the model)
@@ -24,10 +26,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
+from appliance.core.rules import Rule, positive_int
 
 DERIVED = "derived"
 DECLARED_AS = "declared_as"
 CHOSEN_GROUP = "chosen_group"
+RULE = "rule"
+
+
+def setting(default: Any = dataclasses.MISSING, *, rule: Rule) -> Any:
+    """A setting with a rule beyond its type (appliance.core.rules), checked where it is declared."""
+    return field(default=default, metadata={RULE: rule})
 
 
 def derived() -> Any:
@@ -143,11 +152,11 @@ class PlanSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    num_requests: int
-    prompt_len_min: int
-    prompt_len_max: int
-    output_len_min: int
-    output_len_max: int
+    num_requests: int = setting(rule=positive_int)
+    prompt_len_min: int = setting(rule=positive_int)
+    prompt_len_max: int = setting(rule=positive_int)
+    output_len_min: int = setting(rule=positive_int)
+    output_len_max: int = setting(rule=positive_int)
     seed: int
 
 
@@ -220,11 +229,11 @@ class RuntimeConfig:
     mode: str                              # serve | plan | bench | validate
     default_model: str                     # model used when no +model=... is given
     npu_memory_utilization: float
-    decode_batch: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_waiting_requests: int
+    decode_batch: int = setting(rule=positive_int)
+    max_model_len: int = setting(rule=positive_int)
+    max_num_seqs: int = setting(rule=positive_int)
+    max_num_batched_tokens: int = setting(rule=positive_int)
+    max_waiting_requests: int = setting(rule=positive_int)
     enable_prefix_caching: bool = True
     seed: int = 0
     device: DeviceSettings

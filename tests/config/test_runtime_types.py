@@ -17,11 +17,12 @@ from appliance.config.compose import load_runtime_config
 from appliance.core import config as core
 from appliance.core.archs import ARCHITECTURES
 from appliance.core.errors import ConfigError
+from appliance.core.rules import positive_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchWithWarmup(core.BenchSettings):
-    warmup_requests: int = 2                   # the one line a nested setting needs
+    warmup_requests: int = core.setting(2, rule=positive_int)    # the one line a nested setting needs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,10 @@ def test_a_setting_declared_once_reaches_the_runtime_config():
 def test_a_new_setting_is_type_checked_and_its_typos_are_caught():
     with pytest.raises(ConfigCompositionException, match="max_queue_delay_s"):
         load_runtime_config(["max_queue_delay_s=soon"], runtime_type=RuntimeWithNewSettings)
+    with pytest.raises(ConfigError) as err:                          # its declared rule, at its key path
+        load_runtime_config(["bench.warmup_requests=0", "decode_batch=0"], runtime_type=RuntimeWithNewSettings)
+    assert {(i.path, i.rule) for i in err.value.issues} == {("bench.warmup_requests", "must be a positive integer"),
+                                                            ("decode_batch", "must be a positive integer")}
     with pytest.raises(ConfigError, match="did you mean bench.warmup_requests"):
         load_runtime_config(["bench.warmup_requets=5"], runtime_type=RuntimeWithNewSettings)
     with pytest.raises(ConfigError, match="max_queue_delay_s = 1: not a key of the schema"):
