@@ -39,7 +39,6 @@ import torch
 from appliance.core.archs import rank_cache_groups
 from appliance.core.config import RuntimeConfig
 from appliance.core.estimate import estimate_peak_non_kv
-from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
 from appliance.core.parallel import RankPlace
 from appliance.core.planner import (
     CapacityPlan,
@@ -47,9 +46,12 @@ from appliance.core.planner import (
     InsufficientMemoryError,
     check_free_memory,
     format_bytes,
+    kv_shortfall,
+    least_kv_bytes,
     non_torch_margin,
     plan_for_config,
     slots_that_fit,
+    usable_bytes,
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.step_limits import StepLimits, step_limits, worst_steps
@@ -227,7 +229,7 @@ def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | No
     weights = estimate_peak_non_kv(rc.model, place, rc.plan.activation_allowance_bytes).weight_bytes_per_device
     shard = ("a full copy on each device" if place.world == 1 else
              f"rank {place.rank}'s shard: {place.describe()}")
-    kv_floor = scratch_bytes(specs, rc.decode_batch) + bytes_per_slot(specs)
+    kv_floor = least_kv_bytes(specs, rc.decode_batch)
     need = weights + kv_floor
     u = rc.npu_memory_utilization
     log.info("%s needs at least %s per device before loading: estimated weights %s (from model.layout) + "
@@ -235,8 +237,9 @@ def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | No
              format_bytes(kv_floor))
     for i in range(backend.count):
         total = backend.memory(i).total_bytes
-        usable = int(total * u)
-        if need <= usable:
+        usable = usable_bytes(total, u)
+        shortfall = kv_shortfall(usable - weights, specs, rc.decode_batch)
+        if not shortfall:
             continue
         fallback = (f" (device=auto found no NPU or GPU and fell back to the host CPU with a budget of "
                     f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
@@ -249,7 +252,7 @@ def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | No
             f"estimates them; {shard})\n"
             f"  least KV cache                  {format_bytes(kv_floor)} ({rc.decode_batch} scratch pages + one "
             f"slot at max_model_len {rc.max_model_len})\n"
-            f"  shortfall                       {format_bytes(need - usable)}\n"
+            f"  shortfall                       {format_bytes(shortfall)}\n"
             f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / u))} each (device=npu, "
             f"device=cuda), spread it over more devices (device.count and parallel.*: smaller shards), plan the "
             f"deployment offline first with the same overrides plus mode=plan device=ascend_a3, or pick a smaller "

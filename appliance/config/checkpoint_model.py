@@ -22,6 +22,7 @@ from appliance.config import schema
 from appliance.core.archs import architecture_for_hf, hf_config
 from appliance.core.archs.hf_config import HfConfigError, values_agree
 from appliance.core.errors import ConfigIssue
+from appliance.core.kv_cache_spec import CacheGroupSettings
 
 
 def _unset(node: DictConfig, key: str) -> bool:
@@ -44,13 +45,13 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
         cfg = hf_config.config_object(json.loads(path.read_text()))
         hf_config.check_kind("architectures", cfg.get("architectures"), list[str] | None)
         arch = architecture_for_hf(cfg.get("architectures") or [])
-        hf_config.check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds)
+        hf_config.check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds, arch.layout)
         if hf_config.identity_issue(cfg, arch.hf_architectures, arch.hf_model_types):
             raise HfConfigError("model_type", f"{json.dumps(cfg['model_type'])} disagrees with architectures="
                                               f"{cfg['architectures']} (model_type of {arch.name}: "
                                               f"{' or '.join(arch.hf_model_types)})")
         hf = arch.layout_from_hf_config(cfg)
-        hf_config.check_layout_kinds(hf)
+        hf_config.check_layout_kinds(hf, arch.layout)
     except (OSError, UnicodeDecodeError) as exc:
         return [ConfigIssue("model.weights", model.weights, f"{path} is not readable: {exc}")]
     except json.JSONDecodeError as exc:
@@ -78,16 +79,16 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
     for key, value in hf.defaults.items():
         if _unset(lay, key):
             lay[key] = value
-    schema_defaults = OmegaConf.structured(schema.LayoutConfig)
+    schema_defaults = OmegaConf.structured(schema.layout_schema())
     for key in lay:
-        if _unset(lay, key):        # neither config.json nor a serving default: the schema's (??? if none)
+        if _unset(lay, key):        # neither config.json nor a serving default: ??? (the arch layout's default)
             lay[key] = schema_defaults._get_node(key)._value()
     if issues:
         return issues
     if not model.cache_groups:
         try:
             groups = arch.cache_groups_for(OmegaConf.to_container(lay))
-            model.cache_groups = [OmegaConf.merge(OmegaConf.structured(schema.CacheGroupConfig), g) for g in groups]
+            model.cache_groups = [OmegaConf.merge(OmegaConf.structured(schema.schema_class(CacheGroupSettings)), g) for g in groups]
         except HfConfigError as exc:
             return [ConfigIssue("model.weights", model.weights, f"{path}: {exc}")]
     return []

@@ -8,7 +8,9 @@ registry (appliance.core.archs).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +21,11 @@ from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
-from appliance.core.config import (
-    BenchSettings,
-    DeviceSettings,
-    KvCacheSettings,
-    Layout,
-    LoggingSettings,
-    ModelSpec,
-    ParallelSettings,
-    PlanSettings,
-    RuntimeConfig,
-    ServerSettings,
-    freeze,
-)
+from appliance.core.cache_groups import derive_cache_groups
+from appliance.core.checks import Checker, declared_rule_issues
+from appliance.core.config import Layout, ModelSpec, RuntimeConfig, freeze
 from appliance.core.errors import ConfigError, ConfigIssue
-from appliance.core.kv_cache_spec import (
-    DTYPE_BYTES,
-    FULL,
-    RING,
-    CacheGroupSpec,
-    full_history_blocks,
-    ring_blocks,
-)
+from appliance.core.kv_cache_spec import CacheGroupSettings
 from appliance.core.logs import FORMATS, LEVELS
 from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 
@@ -54,7 +39,7 @@ def config_groups() -> set[str]:
     return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
 
 
-def check_override_keys(overrides: list[str]) -> None:
+def check_override_keys(overrides: list[str], runtime_type: type = RuntimeConfig) -> None:
     """Every override's key must be one the schema defines, before Hydra composes (ConfigError naming the
     closest valid key); `+` only selects a config group that is not in the defaults list (+model=, +sweep=).
 
@@ -74,7 +59,7 @@ def check_override_keys(overrides: list[str]) -> None:
         if o.is_hydra_override() or o.package is not None or "/" in key or key in groups:
             continue
         value = (o.input_line or "").partition("=")[2] if o.is_sweep_override() else o.value()
-        issue = schema_key_issue(key, value)
+        issue = schema_key_issue(key, value, runtime_type)
         if issue is None and o.is_add():
             issue = ConfigIssue(f"+{key}", value, f"'+' adds a key, and {key} already exists: write {key}={value} "
                                                   f"('+' is only for the groups +model= and +sweep=)")
@@ -84,22 +69,25 @@ def check_override_keys(overrides: list[str]) -> None:
         raise ConfigError(issues)
 
 
-def compose(overrides: list[str] | None = None) -> DictConfig:
-    """Compose conf/config.yaml with command-line style overrides, outside a Hydra app (tests, tools)."""
+def compose(overrides: list[str] | None = None, runtime_type: type = RuntimeConfig) -> DictConfig:
+    """Compose conf/config.yaml with command-line style overrides, outside a Hydra app (tests, tools), against
+    the schema derived from `runtime_type`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    schema.register_schema()
-    check_override_keys(list(overrides or []))
+    schema.register_schema(runtime_type)
+    check_override_keys(list(overrides or []), runtime_type)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
 
 
-def load_runtime_config(overrides: list[str] | None = None) -> RuntimeConfig:
-    """Overrides such as ["+model=qwen3_tiny", "max_num_seqs=32"] -> a validated RuntimeConfig."""
-    return compose_runtime_config(compose(overrides))
+def load_runtime_config(overrides: list[str] | None = None,
+                        runtime_type: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
+    """Overrides such as ["+model=qwen3_tiny", "max_num_seqs=32"] -> a validated RuntimeConfig (or `runtime_type`:
+    a RuntimeConfig with more settings, as a test declares one)."""
+    return compose_runtime_config(compose(overrides, runtime_type), runtime_type)
 
 
 def available_models() -> list[str]:
@@ -111,51 +99,19 @@ def load_model_config(name: str) -> DictConfig:
     path = CONF_DIR / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError([ConfigIssue("default_model", name, f"must be one of {available_models()}")])
-    base = OmegaConf.structured(schema.ModelConfig)
+    base = OmegaConf.structured(schema.schema_class(ModelSpec))
     try:
         return OmegaConf.merge(base, OmegaConf.load(path))
     except OmegaConfBaseException as exc:
         raise ConfigError([ConfigIssue(f"model.{exc.full_key}", None, str(exc.msg))]) from None
 
 
-class _Checker:
-    """Collects issues instead of stopping at the first one."""
+def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
+    """Validate a composed config (all errors together) and freeze it, deriving every cache-group spec.
 
-    def __init__(self) -> None:
-        self.issues: list[ConfigIssue] = []
-
-    def fail(self, path: str, value: object, rule: str) -> None:
-        self.issues.append(ConfigIssue(path, value, rule))
-
-    def check(self, ok: bool, path: str, value: object, rule: str) -> bool:
-        if not ok:
-            self.fail(path, value, rule)
-        return ok
-
-    def positive_int(self, path: str, value: object, optional: bool = False) -> bool:
-        if value is None and optional:
-            return True
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return self.check(ok, path, value, "must be a positive integer")
-
-    def non_negative(self, path: str, value: object, optional: bool = False) -> bool:
-        if value is None and optional:
-            return True
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-        return self.check(ok, path, value, "must be >= 0")
-
-    def dtype(self, path: str, value: object, optional: bool = False) -> bool:
-        if value is None and optional:
-            return True
-        return self.check(value in DTYPE_BYTES, path, value,
-                          f"must be a torch dtype name ({', '.join(sorted(DTYPE_BYTES))})")
-
-    def one_of(self, path: str, value: object, allowed: tuple[str, ...]) -> bool:
-        return self.check(value in allowed, path, value, f"must be one of {list(allowed)}")
-
-
-def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
-    """Validate a composed config (all errors together) and freeze it, deriving every cache-group spec."""
+    Generic: every section is frozen into its declared type by appliance.core.config.freeze, so a new setting
+    needs no line here; only the model (its arch's layout type, derived cache groups) and the values resolved
+    here (server host and token, parallel sizes) are built explicitly."""
     cfg = cfg.copy()
     if cfg.get("model") is None:
         with open_dict(cfg):
@@ -164,66 +120,76 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         issues = fill_from_checkpoint(cfg.model)       # +model=hf: the model from its config.json
         if issues:
             raise ConfigError(issues)
-    checker = _Checker()
-    checker.issues += unknown_key_issues(cfg)
+    checker = Checker()
+    checker.issues += unknown_key_issues(cfg, runtime_type)
     if checker.issues:
         raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
-    _check_top_level(checker, cfg)
+    layout = _freeze_layout(checker, cfg.model)
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    checker.issues += declared_rule_issues(runtime_type, plain)   # each rule declared with its setting
+    _check_top_level(checker, cfg, layout)
     auth_token = _check_auth_token(checker, cfg.server)
-    _check_layout(checker, cfg.model)
-    groups = _derive_cache_groups(checker, cfg)
+    _check_layout(checker, cfg.model, layout)
+    model = plain["model"]
+    groups = ()
+    if layout is not None and not any(i.path.startswith("model.layout") for i in checker.issues):
+        declared = tuple(freeze(CacheGroupSettings, g) for g in model["cache_groups"])   # group sizes derive from
+        groups = derive_cache_groups(checker, declared, layout, cfg.max_model_len)     # the layout: its errors first
     if checker.issues:
         raise ConfigError(checker.issues)
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["server"].update(host=unbracketed(plain["server"]["host"]), auth_token=auth_token)
-    model = plain["model"]
-    spec = ModelSpec(
-        name=model["name"], arch=model["arch"], layout=freeze(Layout, model["layout"]),
-        cache_groups=groups, weights=model["weights"], tokenizer=model["tokenizer"],
-        weights_seed=model["weights_seed"],
-    )
+    spec = freeze(ModelSpec, {**model, "layout": layout, "cache_groups": groups})
     arch_issues = architecture(spec.arch).validate(spec)
-    parallel, parallel_issues = resolve_model_parallel(spec, freeze(ParallelSettings, plain["parallel"]),
-                                                       plain["device"]["count"])
+    parallel, parallel_issues = resolve_model_parallel(spec, freeze(field_type(runtime_type, "parallel"),
+                                                                    plain["parallel"]), plain["device"]["count"])
     if arch_issues or parallel_issues:
         raise ConfigError(arch_issues + parallel_issues)
     plain["parallel"].update(data_parallel_size=parallel.data_parallel_size,
                              expert_parallel_size=parallel.expert_parallel_size)    # resolved, as reports show it
-    hydra_free = {k: v for k, v in plain.items() if k != "hydra"}
-    return RuntimeConfig(
-        mode=cfg.mode,
-        model=spec,
-        device=freeze(DeviceSettings, plain["device"]),
-        parallel=parallel,
-        server=freeze(ServerSettings, plain["server"]),
-        kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
-        plan=freeze(PlanSettings, plain["plan"]),
-        bench=freeze(BenchSettings, plain["bench"]),
-        logging=freeze(LoggingSettings, plain["logging"]),
-        npu_memory_utilization=float(cfg.npu_memory_utilization),
-        decode_batch=cfg.decode_batch,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_waiting_requests=cfg.max_waiting_requests,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        seed=cfg.seed,
-        resolved_yaml=OmegaConf.to_yaml(redact(hydra_free)),
-    )
+    plain["server"].update(host=unbracketed(plain["server"]["host"]), auth_token=auth_token)
+    model["layout"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(layout).items()}
+    resolved_yaml = OmegaConf.to_yaml(redact(plain))                               # the layout as the arch built it
+    runtime: RuntimeConfig = freeze(runtime_type, {**plain, "model": spec, "parallel": parallel,
+                                                   "resolved_yaml": resolved_yaml})
+    return runtime
 
 
-def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
+def field_type(cls: type, name: str) -> Any:
+    """The declared type of a settings field (a section's frozen class)."""
+    return typing.get_type_hints(cls)[name]
+
+
+def _freeze_layout(c: Checker, model: DictConfig) -> Layout | None:
+    """model.layout as its architecture's own frozen type (appliance.core.archs): a key the YAML gives that the
+    arch's layout lacks is an error, a key it leaves out takes the type's default (or is an error without one).
+    None when the arch is unknown or the layout incomplete (the issues say why)."""
+    arch = ARCHITECTURES.get(model.arch)
+    if arch is None:
+        return None                              # _check_layout names model.arch
+    node = model.layout
+    own = {f.name: f for f in dataclasses.fields(arch.layout)}
+    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not OmegaConf.is_missing(node, k)}
+    for key in given:
+        if key not in own:
+            c.fail(f"model.layout.{key}", given[key], f"not a key of arch {arch.name}'s layout "
+                                                      f"({arch.layout.__name__}: {', '.join(own)})")
+    for key, f in own.items():
+        if key not in given and f.default is dataclasses.MISSING:
+            c.fail(f"model.layout.{key}", None, f"arch {arch.name} needs it: it has no default")
+    if any(i.path.startswith("model.layout") for i in c.issues):
+        return None
+    return freeze(arch.layout, given)
+
+
+def _check_top_level(c: Checker, cfg: DictConfig, layout: Layout | None) -> None:
     c.one_of("mode", cfg.mode, MODES)
     u = cfg.npu_memory_utilization
     c.check(isinstance(u, (int, float)) and 0 < u <= 1, "npu_memory_utilization", u, "must be in (0, 1]")
-    for key in ("decode_batch", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
-        c.positive_int(key, cfg[key])
     model = cfg.model
-    cap = model.layout.max_model_len_cap
+    cap = layout.max_model_len_cap if layout is not None else None
     if isinstance(cfg.max_model_len, int) and isinstance(cap, int):
         c.check(cfg.max_model_len <= cap, "max_model_len", cfg.max_model_len,
                 f"must be <= {cap} (model.layout.max_model_len_cap of {model.name})")
-    block = model.layout.block_size
+    block = layout.block_size if layout is not None else None
     if isinstance(cfg.max_num_batched_tokens, int) and isinstance(block, int):
         c.check(cfg.max_num_batched_tokens >= block, "max_num_batched_tokens", cfg.max_num_batched_tokens,
                 f"must be >= model.layout.block_size ({block}): prefill chunks end on block boundaries")
@@ -281,8 +247,6 @@ def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
     c.one_of("logging.level", cfg.logging.level, LEVELS)
 
     bench = cfg.bench
-    for key in ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"):
-        c.positive_int(f"bench.{key}", bench[key])
     for lo, hi in (("prompt_len_min", "prompt_len_max"), ("output_len_min", "output_len_max")):
         if isinstance(bench[lo], int) and isinstance(bench[hi], int):
             c.check(bench[lo] <= bench[hi], f"bench.{lo}", bench[lo], f"must be <= bench.{hi} ({bench[hi]})")
@@ -302,7 +266,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _check_auth_token(c: _Checker, srv: DictConfig) -> str | None:
+def _check_auth_token(c: Checker, srv: DictConfig) -> str | None:
     """The bearer token from server.auth_token (conf/server/default.yaml fills it from $APPLIANCE_AUTH_TOKEN) or
     from the file server.auth_token_file, so that it need not appear in argv. Errors never show the token."""
     token, path = srv.auth_token, srv.auth_token_file
@@ -332,129 +296,21 @@ def _check_auth_token(c: _Checker, srv: DictConfig) -> str | None:
     return token
 
 
-def _check_layout(c: _Checker, model: DictConfig) -> None:
+def _check_layout(c: Checker, model: DictConfig, lay: Layout | None) -> None:
+    """The rules every layout keeps, then the architecture's own that the cache groups derive from."""
     c.one_of("model.arch", model.arch, tuple(sorted(ARCHITECTURES)))
-    lay = model.layout
-    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                "block_size", "max_model_len_cap"):
-        c.positive_int(f"model.layout.{key}", lay[key])
-    c.positive_int("model.layout.intermediate_size", lay.intermediate_size, optional=True)
     c.positive_int("model.max_decode_batch", model.max_decode_batch)
     c.positive_int("model.max_num_seqs", model.max_num_seqs)
+    if lay is None:
+        return
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "block_size", "max_model_len_cap"):
+        c.positive_int(f"model.layout.{key}", getattr(lay, key))
     c.dtype("model.layout.dtype", lay.dtype)
-    if isinstance(lay.num_heads, int) and isinstance(lay.num_kv_heads, int) and lay.num_kv_heads > 0:
+    if lay.num_kv_heads > 0:
         c.check(lay.num_heads % lay.num_kv_heads == 0, "model.layout.num_kv_heads", lay.num_kv_heads,
                 f"must divide model.layout.num_heads ({lay.num_heads})")
-    c.non_negative("model.layout.num_mtp_layers", lay.num_mtp_layers)
-    if c.non_negative("model.layout.tokens_in_flight", lay.tokens_in_flight) and isinstance(lay.block_size, int) \
-            and lay.block_size > 0:
+    if c.non_negative("model.layout.tokens_in_flight", lay.tokens_in_flight) and lay.block_size > 0:
         c.check(lay.tokens_in_flight % lay.block_size == 0, "model.layout.tokens_in_flight", lay.tokens_in_flight,
                 f"must be a multiple of model.layout.block_size ({lay.block_size}): prefill tiles are whole blocks")
-    if model.arch != "deepseek_v4":
-        return
-    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
-        c.positive_int(f"model.layout.{key}", lay[key])
-    ratios = lay.compress_ratios
-    if not c.check(ratios is not None, "model.layout.compress_ratios", None, "deepseek_v4 needs one compress ratio per layer"):
-        return
-    expected = lay.num_layers + lay.num_mtp_layers if isinstance(lay.num_layers, int) else None
-    c.check(len(ratios) == expected, "model.layout.compress_ratios", list(ratios),
-            f"must have num_layers + num_mtp_layers = {expected} entries, has {len(ratios)} "
-            f"(is a tiny layout mixed with a full one?)")
-    bad_ratio_layers: dict[int, list[int]] = {}
-    for i, r in enumerate(ratios):
-        if c.check(isinstance(r, int) and r >= 0, f"model.layout.compress_ratios[{i}]", r, "must be an integer >= 0"):
-            if r > 0 and isinstance(lay.block_size, int) and lay.block_size > 0 and lay.block_size % r:
-                bad_ratio_layers.setdefault(r, []).append(i)
-    for r, layers in bad_ratio_layers.items():
-        c.fail(f"model.layout.compress_ratios[{layers[0]}]", r,
-               f"must divide model.layout.block_size ({lay.block_size}); layers with this ratio: {layers}")
-
-
-def _select_layers(c: _Checker, path: str, selector: Any, num_layers: int, ratios: tuple[int, ...]) -> tuple[int, ...] | None:
-    if selector == "all":
-        return tuple(range(num_layers))
-    if isinstance(selector, DictConfig):
-        if set(selector.keys()) != {"compress_ratio"}:
-            c.fail(path, OmegaConf.to_container(selector), "a layer selector dict has exactly one key, compress_ratio")
-            return None
-        ratio = selector.compress_ratio
-        chosen = tuple(i for i, r in enumerate(ratios) if r == ratio and ratio != 0)
-        if not chosen:
-            c.fail(f"{path}.compress_ratio", ratio,
-                   f"no main layer has this compress ratio (the layout has {sorted(set(r for r in ratios if r))})")
-            return None
-        return chosen
-    if isinstance(selector, (list, tuple)) or OmegaConf.is_list(selector):
-        ids = list(selector)
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_layers]
-        if bad:
-            c.fail(path, ids, f"layer ids must be in [0, {num_layers}); bad: {bad}")
-            return None
-        if not c.check(len(set(ids)) == len(ids) and ids, path, ids, "layer ids must be non-empty and unique"):
-            return None
-        return tuple(sorted(ids))
-    c.fail(path, selector, "must be 'all', {compress_ratio: R} or a list of layer ids")
-    return None
-
-
-def _derive_cache_groups(c: _Checker, cfg: DictConfig) -> tuple[CacheGroupSpec, ...]:
-    model, lay = cfg.model, cfg.model.layout
-    if not c.check(len(model.cache_groups) > 0, "model.cache_groups", [], "a model needs at least one cache group"):
-        return ()
-    if c.issues and any(i.path.startswith("model.layout") for i in c.issues):
-        return ()  # group sizes derive from the layout; its errors come first
-    ratios = tuple((lay.compress_ratios or [])[: lay.num_layers])
-    seen: set[str] = set()
-    specs: list[CacheGroupSpec] = []
-    for gi, group in enumerate(model.cache_groups):
-        p = f"model.cache_groups[{gi}]"
-        c.check(group.name not in seen, f"{p}.name", group.name, "duplicate cache group name")
-        seen.add(group.name)
-        ok = c.one_of(f"{p}.history", group.history, (RING, FULL))
-        ok &= c.positive_int(f"{p}.rows_per_block", group.rows_per_block)
-        ok &= c.positive_int(f"{p}.tokens_per_row", group.tokens_per_row)
-        ok &= c.positive_int(f"{p}.row.width", group.row.width)
-        ok &= c.non_negative(f"{p}.row.extra_bytes", group.row.extra_bytes)
-        ok &= c.dtype(f"{p}.row.dtype", group.row.dtype)
-        layer_ids = _select_layers(c, f"{p}.layers", group.layers, lay.num_layers, ratios)
-        if not ok or layer_ids is None:
-            continue
-        if not c.check(lay.block_size % group.tokens_per_row == 0, f"{p}.tokens_per_row", group.tokens_per_row,
-                       f"must divide model.layout.block_size ({lay.block_size})"):
-            continue
-        tokens_per_page = group.rows_per_block * group.tokens_per_row
-        ring: dict[str, Any] = {}
-        if group.history == FULL:
-            if not c.check(tokens_per_page == lay.block_size, f"{p}.rows_per_block", group.rows_per_block,
-                           f"a full-history page must cover one block: rows_per_block x tokens_per_row "
-                           f"({tokens_per_page}) must equal model.layout.block_size ({lay.block_size})"):
-                continue
-            max_blocks = full_history_blocks(cfg.max_model_len, lay.block_size) if isinstance(cfg.max_model_len, int) and cfg.max_model_len > 0 else 1
-        else:
-            span = _ring_span_tokens(c, p, group, lay)
-            if span is None:
-                continue
-            max_blocks = ring_blocks(span, lay.tokens_in_flight, tokens_per_page, group.ring_aligned)
-            ring = {"ring_span_tokens": span, "ring_aligned": group.ring_aligned}
-        specs.append(CacheGroupSpec(
-            name=group.name, layer_ids=layer_ids, rows_per_block=group.rows_per_block,
-            tokens_per_row=group.tokens_per_row, row_dtype=group.row.dtype, row_width=group.row.width,
-            row_extra_bytes=group.row.extra_bytes, history=group.history, max_blocks_per_seq=max_blocks, **ring,
-        ))
-    return tuple(specs)
-
-
-def _ring_span_tokens(c: _Checker, p: str, group: DictConfig, lay: DictConfig) -> int | None:
-    if group.ring_span == "sliding_window":
-        if c.check(lay.sliding_window is not None, f"{p}.ring_span", group.ring_span,
-                   "ring_span=sliding_window needs model.layout.sliding_window"):
-            return lay.sliding_window
-        return None
-    if group.ring_span == "compress_ratio":
-        if c.check(isinstance(group.layers, DictConfig) and "compress_ratio" in group.layers, f"{p}.ring_span",
-                   group.ring_span, "ring_span=compress_ratio needs a layers selector {compress_ratio: R}"):
-            return group.layers.compress_ratio
-        return None
-    c.fail(f"{p}.ring_span", group.ring_span, "a ring group needs ring_span: sliding_window or compress_ratio")
-    return None
+    c.issues += architecture(model.arch).layout_rules(lay)

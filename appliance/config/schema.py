@@ -1,185 +1,130 @@
-"""Config schema: dataclasses registered in Hydra's ConfigStore.
+"""The Hydra structured-config schema, derived from the frozen runtime types (appliance.core.config).
 
-Hydra type-checks overrides against these and rejects unknown keys (struct mode). Every default value
-lives in conf/*.yaml; the defaults here only exist so the schema is complete. Semantic rules
-(ranges, cross-field checks) live in appliance.config.validate so several errors are reported together.
+Each setting is declared once, in core, as a field of a frozen dataclass; this module turns those classes into
+the mutable dataclasses Hydra's ConfigStore needs, so Hydra type-checks overrides against them and rejects
+unknown keys (struct mode). The derivation, field by field:
+
+    int | float | str | bool          the same type
+    T | None                          Optional[T]
+    tuple[T, ...]                     List[T]
+    any other union, dict             Any (a free-form value, such as a cache group's layer selector)
+    a frozen dataclass                its derived schema class (a nested section)
+    the layout type variable          one section with the keys of every architecture's layout (ModelSpec.layout)
+    a default                         the same default; no default: MISSING (conf/*.yaml must give the value)
+    derived()                         left out (the composer computes it)
+    declared_as(T)                    the schema of T (what the YAML declares)
+    chosen_group()                    Optional, None until the group is chosen (+model=...)
+
+Every default value lives in conf/*.yaml or in core; semantic rules (ranges, cross-field checks) live in
+appliance.config.compose so several errors are reported together.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import field, make_dataclass
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-
-@dataclass
-class LayoutConfig:
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
-    num_heads: int = MISSING
-    num_kv_heads: int = MISSING
-    head_dim: int = MISSING
-    vocab_size: int = MISSING
-    block_size: int = MISSING              # tokens per KV-cache block
-    intermediate_size: Optional[int] = None   # dense MLP width (qwen3 needs it; deepseek_v4 is MoE in every layer)
-    max_model_len_cap: int = MISSING       # longest sequence the layout supports
-    dtype: str = "bfloat16"                # activations and dense weights
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    # DeepSeek V4 (arch deepseek_v4); ignored by plain attention layouts.
-    num_mtp_layers: int = 0
-    sliding_window: Optional[int] = None
-    compress_ratios: Optional[List[int]] = None   # one per layer, main layers then MTP layers
-    index_head_dim: Optional[int] = None
-    index_num_heads: Optional[int] = None
-    index_topk: Optional[int] = None
-    tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
-    q_lora_rank: Optional[int] = None      # queries: wq_a to this rank, q_norm, then wq_b
-    qk_rope_head_dim: Optional[int] = None    # trailing channels of a head that RoPE rotates (interleaved pairs)
-    o_groups: Optional[int] = None         # grouped output projection: head groups (wo_a per group, then wo_b)
-    o_lora_rank: Optional[int] = None      # ... and the width each group is projected to
-    compress_rope_theta: Optional[float] = None   # RoPE base of compressed layers (window-only layers: rope_theta)
-    yarn_factor: Optional[float] = None    # YaRN of the compressed layers' RoPE (config.json rope_scaling); null: none
-    yarn_original_max_position_embeddings: Optional[int] = None
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
-    num_experts_per_tok: int = 0
-    num_shared_experts: int = 0
-    moe_intermediate_size: Optional[int] = None
-    num_hash_layers: int = 0               # the first layers route by a fixed table tid2eid[token]
-    scoring_func: str = "sqrtsoftplus"     # router scores of the experts
-    routed_scaling_factor: float = 1.0     # routed weights are renormalized, then scaled by this
-    swiglu_limit: Optional[float] = None   # experts clamp their gate (above) and up (both sides) to this
-    hc_mult: Optional[int] = None          # hyper-connections: residual streams
-    hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
-    hc_eps: float = 1e-6
-    quant_block_size: Optional[int] = None    # checkpoint linears in FP8 e4m3 with [b, b] ue8m0 block scales
-    expert_dtype: Optional[str] = None     # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null
+from appliance.core.archs import ARCHITECTURES
+from appliance.core.config import CHOSEN_GROUP, DECLARED_AS, DERIVED, Layout, RuntimeConfig
 
 
-@dataclass
-class RowConfig:
-    dtype: str = MISSING
-    width: int = MISSING                   # elements per row
-    extra_bytes: int = 0                   # e.g. a per-row fp32 scale
+def _optional_parts(tp: Any) -> tuple[Any, bool]:
+    """(the type inside, whether None is allowed) of `T | None`; other types are returned as they are."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
 
 
-@dataclass
-class CacheGroupConfig:
-    name: str = MISSING
-    layers: Any = "all"                    # "all" | {compress_ratio: R} | [layer ids]
-    rows_per_block: int = MISSING          # rows one page stores, per layer
-    tokens_per_row: int = 1                # tokens summarised by one row (compression ratio for compressed KV)
-    row: RowConfig = field(default_factory=RowConfig)
-    history: str = MISSING                 # ring | full
-    ring_span: Optional[str] = None        # ring groups: sliding_window | compress_ratio
-    ring_aligned: bool = False             # ring starts on page boundaries (compressor states)
+def schema_type(tp: Any) -> Any:
+    """The OmegaConf annotation of a core field type (the table in the module docstring)."""
+    inner, optional = _optional_parts(tp)
+    origin = typing.get_origin(inner)
+    if dataclasses.is_dataclass(origin):             # a generic settings class: ModelSpec[Any]
+        inner = origin
+    if isinstance(inner, typing.TypeVar):
+        out: Any = layout_schema()
+    elif dataclasses.is_dataclass(inner) and isinstance(inner, type):
+        out = schema_class(inner)
+    elif typing.get_origin(inner) in (tuple, list):
+        out = List[schema_type(typing.get_args(inner)[0])]      # type: ignore[misc]
+    elif inner in (int, float, str, bool):
+        out = inner
+    else:
+        return Any
+    return Optional[out] if optional else out
 
 
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    arch: str = MISSING                    # deepseek_v4 | qwen3
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
-    cache_groups: List[CacheGroupConfig] = field(default_factory=list)
-    weights: str = "random"                # random | path to a checkpoint directory
-    tokenizer: Optional[str] = None        # path to tokenizer.json; default: <weights>/tokenizer.json
-    weights_seed: int = 0
-    max_decode_batch: int = 256            # largest decode batch the runner's kernels accept
-    max_num_seqs: int = 1024               # largest concurrency the runner's metadata accepts
-    from_checkpoint: bool = False          # +model=hf: arch, name, layout, cache groups from <weights>/config.json
+def _schema_default(f: dataclasses.Field[Any], tp: Any) -> Any:
+    """The schema field's default: the core default (tuples as lists), a nested section's own defaults, or MISSING."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+        if isinstance(value, tuple):
+            return field(default_factory=lambda: list(value))
+        if isinstance(value, (dict, list)):
+            return field(default_factory=lambda: type(value)(value))
+        return field(default=value)
+    made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    if made is not None and not (dataclasses.is_dataclass(made) and made == type(made)()):
+        raise TypeError(f"{f.name}: a default_factory is derived only for a section at its own defaults; "
+                        f"give a plain default")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):      # a section: its fields' own defaults
+        return field(default_factory=tp)
+    return field(default=MISSING)
 
 
-@dataclass
-class DeviceConfig:
-    kind: str = MISSING                    # auto | cpu | cuda | npu
-    count: Optional[int] = None
-    memory_bytes_per_device: Optional[int] = None
-    cpu_memory_bytes: Optional[int] = None  # auto falling back to the host CPU: its budget (null = MemAvailable)
-    cpu_threads: Optional[int] = None      # torch intra-op threads when the host CPU is the device (null = one per idle core)
-    non_torch_margin_bytes: int = 0        # per device, kept for memory outside torch's allocator (collectives, workspaces)
-    offline: bool = False                  # planning profile: no device is touched
+def _published(name: str, fields: list[tuple[str, Any, Any]], source: type) -> type:
+    """A schema dataclass that is an attribute of this module, so a composed config pickles by reference (the
+    joblib sweep launcher sends configs to worker processes, which derive the same classes on import)."""
+    if name in globals():                                    # another core class of the same name (a test's)
+        name = f"{source.__module__}.{source.__qualname__}Schema".replace(".", "_")
+    cls = make_dataclass(name, fields)
+    cls.__module__ = __name__
+    globals()[name] = cls
+    return cls
 
 
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    data_parallel_size: Optional[int] = None     # null: device.count / tensor_parallel_size
-    expert_parallel_size: Optional[int] = None   # null: gcd(world size, num_experts) for an arch with experts, else 1
-    startup_timeout_s: float = MISSING           # the rendezvous and every startup collective wait at most this
+@functools.cache
+def schema_class(cls: type) -> type:
+    """The mutable schema dataclass of a frozen core settings class (same field names and order)."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(DERIVED):
+            continue
+        tp = schema_type(f.metadata.get(DECLARED_AS, hints[f.name]))
+        if f.metadata.get(CHOSEN_GROUP):
+            out.append((f.name, Optional[tp], field(default=None)))
+        else:
+            out.append((f.name, tp, _schema_default(f, tp)))
+    return _published(f"{cls.__name__}Schema", out, cls)
 
 
-@dataclass
-class ServerConfig:
-    host: str = MISSING
-    port: int = MISSING
-    http_port: Optional[int] = None        # OpenAI-compatible HTTP + /metrics beside gRPC (null: off)
-    insecure: bool = False
-    tls_cert_file: Optional[str] = None
-    tls_key_file: Optional[str] = None
-    auth_token: Optional[str] = None
-    auth_token_file: Optional[str] = None
-    max_message_bytes: int = MISSING
-    grace_period_s: float = MISSING
-    startup_timeout_s: float = MISSING
-    workers: int = MISSING
-    http_max_body_bytes: int = MISSING     # a bigger body is answered 413 (Content-Length or counted while read)
-    http_read_timeout_s: float = MISSING   # a request's headers and body must arrive within this; else closed
-    http_max_connections: int = MISSING    # open HTTP connections; beyond it the longest-waiting idle one is closed
+@functools.cache
+def layout_schema() -> type:
+    """model.layout: every key of every architecture's layout type (appliance.core.archs), each MISSING until the
+    model YAML gives it. The composer builds the chosen arch's own type: keys it lacks are an error there, and
+    keys the YAML leaves out take that type's default."""
+    kinds: dict[str, Any] = {}
+    for arch in ARCHITECTURES.values():
+        for name, tp in typing.get_type_hints(arch.layout).items():
+            st = schema_type(tp)
+            if kinds.setdefault(name, st) != st:
+                raise TypeError(f"layout key {name} has two types ({kinds[name]}, {st}): give it one across archs")
+    return _published("LayoutSchema", [(name, tp, field(default=MISSING)) for name, tp in kinds.items()], Layout)
 
 
-@dataclass
-class LoggingConfig:
-    format: str = "text"                   # text (human-readable) | json (one object per line)
-    level: str = "INFO"
-
-
-@dataclass
-class KvCacheConfig:
-    kv_cache_memory_bytes: Optional[int] = None
-    num_slots_override: Optional[int] = None
-
-
-@dataclass
-class PlanConfig:
-    peak_non_kv_bytes: Optional[int] = None
-    activation_allowance_bytes: int = MISSING
-
-
-@dataclass
-class BenchConfig:
-    num_requests: int = MISSING
-    prompt_len_min: int = MISSING
-    prompt_len_max: int = MISSING
-    output_len_min: int = MISSING
-    output_len_max: int = MISSING
-    seed: int = MISSING
-
-
-@dataclass
-class ApplianceConfig:
-    mode: str = MISSING
-    default_model: str = MISSING
-    npu_memory_utilization: float = MISSING
-    decode_batch: int = MISSING
-    max_model_len: int = MISSING
-    max_num_seqs: int = MISSING
-    max_num_batched_tokens: int = MISSING
-    max_waiting_requests: int = MISSING
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    device: DeviceConfig = MISSING
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    server: ServerConfig = MISSING
-    model: Optional[ModelConfig] = None
-    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+def appliance_schema(runtime_type: type = RuntimeConfig) -> type:
+    """The whole schema (ConfigStore "appliance_schema"), derived from the runtime config type."""
+    return schema_class(runtime_type)
 
 
 # conf/model/hf.yaml's value for every key the composer fills from <model.weights>/config.json
@@ -191,8 +136,11 @@ def _config_json_placeholder() -> str:
     return "<filled from model.weights/config.json>"
 
 
-def register_schema() -> None:
+appliance_schema()        # derived on import: a worker process unpickling a composed config finds every class
+
+
+def register_schema(runtime_type: type = RuntimeConfig) -> None:
     if not OmegaConf.has_resolver("config_json"):
         OmegaConf.register_new_resolver("config_json", _config_json_placeholder)
     cs = ConfigStore.instance()
-    cs.store(name="appliance_schema", node=ApplianceConfig)
+    cs.store(name="appliance_schema", node=appliance_schema(runtime_type))

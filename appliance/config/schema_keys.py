@@ -3,8 +3,8 @@
 Hydra rejects `decode_btach=4` against the schema, but its hint is to append the key (`+decode_btach=4`), and
 `+key=value` or `++key=value` then adds any key at all, which the appliance would silently ignore. So every
 key path, whether from an override or in the composed config, is checked here against the schema's
-dataclasses (appliance/config/schema.py); a subtree the schema leaves free (a field typed Any, such as a cache
-group's `layers` selector) is not.
+dataclasses (appliance/config/schema.py, derived from the settings declared in appliance/core/config.py); a
+subtree the schema leaves free (a field typed Any, such as a cache group's `layers` selector) is not.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from appliance.config.schema import ApplianceConfig
+from appliance.config.schema import appliance_schema
+from appliance.core.config import RuntimeConfig
 from appliance.core.errors import ConfigIssue
 
 FREE = object()          # a subtree whose keys the schema does not fix
@@ -52,7 +53,7 @@ def _child(tp: Any, key: str) -> Any:
     return None                     # a value (int, str, ...) has no keys
 
 
-def _all_paths(tp: Any = ApplianceConfig, prefix: str = "") -> list[str]:
+def _all_paths(tp: Any, prefix: str = "") -> list[str]:
     """Every key path the schema defines (list items as `.0`), for suggestions across levels."""
     tp = _unwrap_optional(tp)
     if dataclasses.is_dataclass(tp):
@@ -66,13 +67,13 @@ def _all_paths(tp: Any = ApplianceConfig, prefix: str = "") -> list[str]:
     return []
 
 
-def _suggestion(parent: str, parent_type: Any, key: str) -> str:
+def _suggestion(root: Any, parent: str, parent_type: Any, key: str) -> str:
     siblings = list(_fields(_unwrap_optional(parent_type))) if dataclasses.is_dataclass(
         _unwrap_optional(parent_type)) else []
     close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if close:
         return f"did you mean {parent}{close[0]}?"
-    by_leaf = {p.rsplit(".", 1)[-1]: p for p in _all_paths()}
+    by_leaf = {p.rsplit(".", 1)[-1]: p for p in _all_paths(root)}
     close = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.8)
     if close:
         return f"did you mean {by_leaf[close[0]]}?"
@@ -80,23 +81,24 @@ def _suggestion(parent: str, parent_type: Any, key: str) -> str:
     return f"the keys {where} are: {', '.join(siblings)}" if siblings else "this key holds a value, not keys"
 
 
-def schema_key_issue(path: str, value: object) -> ConfigIssue | None:
-    """None when `path` (dotted; list items as `.0` or `[0]`) is a key the schema defines."""
+def schema_key_issue(path: str, value: object, runtime_type: type = RuntimeConfig) -> ConfigIssue | None:
+    """None when `path` (dotted; list items as `.0` or `[0]`) is a key the schema of `runtime_type` defines."""
     parts = [p for p in re.split(r"[.\[\]]+", path) if p]
-    tp: Any = ApplianceConfig
+    root: Any = appliance_schema(runtime_type)
+    tp = root
     for i, key in enumerate(parts):
         sub = _child(tp, key)
         if sub is FREE:
             return None
         if sub is None:
             parent = "".join(f"{p}." for p in parts[:i])
-            return ConfigIssue(path, value, f"not a key of the schema (appliance/config/schema.py); "
-                                            f"{_suggestion(parent, tp, key)}")
+            return ConfigIssue(path, value, f"not a key of the schema (appliance/core/config.py); "
+                                            f"{_suggestion(root, parent, tp, key)}")
         tp = sub
     return None
 
 
-def unknown_key_issues(cfg: DictConfig) -> list[ConfigIssue]:
+def unknown_key_issues(cfg: DictConfig, runtime_type: type = RuntimeConfig) -> list[ConfigIssue]:
     """Every key of a composed config that the schema does not define (the topmost one of each subtree)."""
     issues: list[ConfigIssue] = []
 
@@ -104,7 +106,7 @@ def unknown_key_issues(cfg: DictConfig) -> list[ConfigIssue]:
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for key, value in items:
             path = f"{prefix}{key}"
-            issue = schema_key_issue(path, value)
+            issue = schema_key_issue(path, value, runtime_type)
             if issue is not None:
                 issues.append(issue)
             else:

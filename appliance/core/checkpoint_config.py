@@ -36,7 +36,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
                               f"{identity}, model {model.name!r} is arch {arch.name}. Fix: pick the model YAML "
                               f"this checkpoint was made for (+model=...), or serve it with +model=hf")
     try:
-        check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds)
+        check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds, arch.layout)
         cfg = arch.config_view(cfg)
     except HfConfigError as exc:
         raise CheckpointError(f"checkpoint file {str(path)!r}: {exc}. Fix: restore the checkpoint's "

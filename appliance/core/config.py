@@ -1,22 +1,63 @@
-"""The frozen, typed runtime config the rest of the appliance reads (never a DictConfig).
+"""The frozen, typed runtime config the rest of the appliance reads (never a DictConfig): the one declaration of
+every setting.
 
-Declared here, field by field, so that readers and type checkers see real types. The Hydra schema
-(appliance/config/schema.py) mirrors these fields with mutable types for composition; a test keeps the
-two in step (same names and order; a default here exactly where the schema has one, and the same value).
+A setting is declared once, as a field of one of these frozen dataclasses (its type, and its default where it
+has one), with its value in conf/*.yaml. appliance/config/schema.py derives the Hydra structured-config schema
+from these classes (Hydra type-checks overrides against it and refuses unknown keys), and the composer
+(appliance/config/compose.py) checks the composed config and `freeze`s it into them, every section alike.
+Adding a setting is one line here plus its YAML default; a rule beyond its type is declared with it
+(`setting(rule=positive_int)`, appliance.core.rules), or, across fields, written in the composer's checks.
+
+Field metadata marks what is not a plain setting (plain dicts: no Hydra here):
+    setting(rule=R)       a rule beyond the type, checked by the composer at the field's key path
+    derived()             the composer computes it; no YAML key (resolved_yaml)
+    declared_as(T)        YAML declares a T; core derives the field's value from it (cache groups)
+    chosen_group()        a config group picked with +group=...; null until chosen (the model)
+Each architecture's layout is its own frozen subclass of Layout, declared in its registry entry
+(appliance.core.archs); the schema's model.layout holds the keys of every one of them.
 Every field is keyword-only: the composer builds these from dicts. No Hydra, no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from appliance.core.kv_cache_spec import CacheGroupSpec
+from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
+from appliance.core.rules import Rule, positive_int
+
+DERIVED = "derived"
+DECLARED_AS = "declared_as"
+CHOSEN_GROUP = "chosen_group"
+RULE = "rule"
+
+
+def setting(default: Any = dataclasses.MISSING, *, rule: Rule) -> Any:
+    """A setting with a rule beyond its type (appliance.core.rules), checked where it is declared."""
+    return field(default=default, metadata={RULE: rule})
+
+
+def derived() -> Any:
+    """A field the composer computes (no YAML key, not in the schema)."""
+    return field(metadata={DERIVED: True})
+
+
+def declared_as(yaml_type: Any, default: Any) -> Any:
+    """A field whose YAML declares a `yaml_type`, from which core derives the runtime value."""
+    return field(default=default, metadata={DECLARED_AS: yaml_type})
+
+
+def chosen_group() -> Any:
+    """A config group picked on the command line (+model=...): null in the schema until one is chosen."""
+    return field(metadata={CHOSEN_GROUP: True})
 
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """What the model computes: sizes the runner builds and the cache groups derive from."""
+    """What every architecture's model computes: the sizes the runner builds and the cache groups derive from.
+    Each architecture extends it with its own keys (appliance.core.archs: Qwen3Layout, DeepseekV4Layout)."""
 
     hidden_size: int
     num_layers: int
@@ -25,47 +66,29 @@ class Layout:
     head_dim: int
     vocab_size: int
     block_size: int                        # tokens per KV-cache block
-    intermediate_size: int | None = None   # dense MLP width (qwen3 needs it; deepseek_v4 is MoE in every layer)
     max_model_len_cap: int                 # longest sequence the layout supports
     dtype: str = "bfloat16"                # activations and dense weights
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    # DeepSeek V4 (arch deepseek_v4); ignored by plain attention layouts.
-    num_mtp_layers: int = 0
-    sliding_window: int | None = None
-    compress_ratios: tuple[int, ...] | None = None   # one per layer, main layers then MTP layers
-    index_head_dim: int | None = None
-    index_num_heads: int | None = None
-    index_topk: int | None = None
-    tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span
-    q_lora_rank: int | None = None         # queries: wq_a to this rank, q_norm, then wq_b
-    qk_rope_head_dim: int | None = None    # trailing channels of a head that RoPE rotates (interleaved pairs)
-    o_groups: int | None = None            # grouped output projection: head groups (wo_a per group, then wo_b)
-    o_lora_rank: int | None = None         # ... and the width each group is projected to
-    compress_rope_theta: float | None = None   # RoPE base of compressed layers (window-only layers: rope_theta)
-    yarn_factor: float | None = None       # YaRN of the compressed layers' RoPE (config.json rope_scaling); null: none
-    yarn_original_max_position_embeddings: int | None = None
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    num_experts: int = 0                   # routed experts per MoE layer (0 = dense MLP)
-    num_experts_per_tok: int = 0
-    num_shared_experts: int = 0
-    moe_intermediate_size: int | None = None
-    num_hash_layers: int = 0               # the first layers route by a fixed table tid2eid[token]
-    scoring_func: str = "sqrtsoftplus"     # router scores of the experts
-    routed_scaling_factor: float = 1.0     # routed weights are renormalized, then scaled by this
-    swiglu_limit: float | None = None      # experts clamp their gate (above) and up (both sides) to this
-    hc_mult: int | None = None             # hyper-connections: residual streams
-    hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
-    hc_eps: float = 1e-6
-    quant_block_size: int | None = None    # checkpoint linears FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
-    expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null: dtype
+    tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span (no rings: 0)
 
     @property
     def main_layer_ratios(self) -> tuple[int, ...]:
         """Compress ratio of each main (non-MTP) layer; plain attention layouts have none."""
-        return tuple((self.compress_ratios or ())[: self.num_layers])
+        return ()
+
+    @property
+    def num_routed_experts(self) -> int:
+        """Routed experts per MoE layer (expert parallelism divides them); 0 for a dense model."""
+        return 0
+
+    def ring_spans(self) -> dict[str, int]:
+        """The spans (in tokens) a ring cache group's `ring_span` may name by key; none without rings."""
+        return {}
+
+
+L = TypeVar("L", bound=Layout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,32 +152,58 @@ class PlanSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    num_requests: int
-    prompt_len_min: int
-    prompt_len_max: int
-    output_len_min: int
-    output_len_max: int
+    num_requests: int = setting(rule=positive_int)
+    prompt_len_min: int = setting(rule=positive_int)
+    prompt_len_max: int = setting(rule=positive_int)
+    output_len_min: int = setting(rule=positive_int)
+    output_len_max: int = setting(rule=positive_int)
     seed: int
 
 
+def _frozen_value(tp: Any, value: Any) -> Any:
+    """`value` (as OmegaConf.to_container gives it) as a field of type `tp` holds it: a dict of a dataclass's
+    fields becomes that dataclass, a list a tuple (of frozen items), an int in a float field a float."""
+    if isinstance(value, dict) and dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return freeze(tp, value)
+    if isinstance(value, list):
+        args = typing.get_args(tp)
+        item = args[0] if typing.get_origin(tp) is tuple and args else Any
+        return tuple(_frozen_value(item, v) for v in value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _optional_inner(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and len(typing.get_args(tp)) == 2 else tp
+
+
 def freeze(cls: type, values: dict[str, Any]) -> Any:
-    """A frozen settings object from a plain dict (lists become tuples); unknown keys are an error."""
+    """A frozen settings object from a plain dict, nested sections included (lists become tuples); unknown keys
+    are an error. The one conversion from composed YAML to every settings class: a new field needs no code."""
+    hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    return cls(**{k: _frozen_value(_optional_inner(hints[k]), v) for k, v in values.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelSpec:
+class ModelSpec(Generic[L]):
+    """The model: its architecture's layout and the cache groups derived from the declared ones."""
+
     name: str
-    arch: str
-    layout: Layout
-    cache_groups: tuple[CacheGroupSpec, ...]
-    weights: str
-    tokenizer: str | None
-    weights_seed: int
+    arch: str                              # deepseek_v4 | qwen3
+    layout: L                              # the arch's own layout type (its registry entry names it)
+    cache_groups: tuple[CacheGroupSpec, ...] = declared_as(tuple[CacheGroupSettings, ...], ())
+    weights: str = "random"                # random | path to a checkpoint directory
+    tokenizer: str | None = None           # path to tokenizer.json; default: <weights>/tokenizer.json
+    weights_seed: int = 0
+    max_decode_batch: int = 256            # largest decode batch the runner's kernels accept
+    max_num_seqs: int = 1024               # largest concurrency the runner's metadata accepts
+    from_checkpoint: bool = False          # +model=hf: arch, name, layout, cache groups from <weights>/config.json
 
     @property
     def weights_label(self) -> str:
@@ -175,24 +224,27 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    mode: str
-    model: ModelSpec
+    """The whole config. A top-level setting is one line here (and its default in conf/config.yaml)."""
+
+    mode: str                              # serve | plan | bench | validate
+    default_model: str                     # model used when no +model=... is given
+    npu_memory_utilization: float
+    decode_batch: int = setting(rule=positive_int)
+    max_model_len: int = setting(rule=positive_int)
+    max_num_seqs: int = setting(rule=positive_int)
+    max_num_batched_tokens: int = setting(rule=positive_int)
+    max_waiting_requests: int = setting(rule=positive_int)
+    enable_prefix_caching: bool = True
+    seed: int = 0
     device: DeviceSettings
     parallel: ParallelSettings
     server: ServerSettings
+    model: ModelSpec[Any] = chosen_group()
     kv_cache: KvCacheSettings
     plan: PlanSettings
     bench: BenchSettings
     logging: LoggingSettings
-    npu_memory_utilization: float
-    decode_batch: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_waiting_requests: int
-    enable_prefix_caching: bool
-    seed: int
-    resolved_yaml: str               # the composed config, as YAML, for reports
+    resolved_yaml: str = derived()         # the composed config, as YAML, for reports
 
     @property
     def block_size(self) -> int:

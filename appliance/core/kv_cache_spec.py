@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 # Element sizes of the torch dtype names a row may use. Kept here so that planning and validation
 # never import torch; tests check every entry against torch itself.
@@ -28,6 +29,32 @@ DTYPE_BYTES: dict[str, int] = {
 
 RING = "ring"
 FULL = "full"
+
+
+# A cache group's layers as a model YAML selects them: "all", {compress_ratio: R}, or a list of layer ids.
+LayerSelector = Union[str, dict[str, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowSettings:
+    dtype: str
+    width: int                             # elements per row
+    extra_bytes: int = 0                   # e.g. a per-row fp32 scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheGroupSettings:
+    """A cache group as a model YAML declares it (model.cache_groups[i]); appliance.core.cache_groups derives
+    its CacheGroupSpec from the layout and max_model_len."""
+
+    name: str
+    layers: LayerSelector = "all"          # "all" | {compress_ratio: R} | [layer ids]
+    rows_per_block: int                    # rows one page stores, per layer
+    tokens_per_row: int = 1                # tokens summarised by one row (compression ratio for compressed KV)
+    row: RowSettings
+    history: str                           # ring | full
+    ring_span: str | None = None           # ring groups: a span the layout names (sliding_window) | compress_ratio
+    ring_aligned: bool = False             # ring starts on page boundaries (compressor states)
 
 
 @dataclass(frozen=True)
@@ -109,11 +136,11 @@ def ring_blocks(span_tokens: int, tokens_in_flight: int, tokens_per_page: int, a
     return math.ceil((span_tokens - 1 + tokens_in_flight) / tokens_per_page) + 1
 
 
-def bytes_per_slot(specs: tuple[CacheGroupSpec, ...] | list[CacheGroupSpec]) -> int:
+def bytes_per_slot(specs: Sequence[CacheGroupSpec]) -> int:
     """One capacity slot: every group's max_blocks_per_seq pages (one sequence at max_model_len)."""
     return sum(s.max_memory_usage_bytes for s in specs)
 
 
-def scratch_bytes(specs: tuple[CacheGroupSpec, ...] | list[CacheGroupSpec], decode_batch: int) -> int:
+def scratch_bytes(specs: Sequence[CacheGroupSpec], decode_batch: int) -> int:
     """One page per group for each padding row of a decode batch."""
     return decode_batch * sum(s.page_size_bytes for s in specs)

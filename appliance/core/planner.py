@@ -122,10 +122,27 @@ def non_torch_margin(device: DeviceSettings, kind: str) -> int:
     return device.non_torch_margin_bytes
 
 
+def usable_bytes(total_bytes: int, utilization: float) -> int:
+    """total x npu_memory_utilization: what the appliance may use of a device. The one place it is computed: free
+    memory is checked against it, the KV budget and the weights' fit (npu/launcher.py) come out of it."""
+    return int(total_bytes * utilization)
+
+
+def least_kv_bytes(specs: Sequence[CacheGroupSpec], decode_batch: int) -> int:
+    """The least KV cache a plan accepts: decode_batch scratch pages plus one capacity slot."""
+    return scratch_bytes(specs, decode_batch) + bytes_per_slot(specs)
+
+
+def kv_shortfall(budget_bytes: int, specs: Sequence[CacheGroupSpec], decode_batch: int) -> int:
+    """Bytes a KV budget lacks for the least KV cache (0 when it fits): the one fit check, made before loading
+    (budget: usable - estimated weights) and when planning (budget: usable - measured peak - margin)."""
+    return max(0, least_kv_bytes(specs, decode_batch) - budget_bytes)
+
+
 def check_free_memory(devices: Sequence[DeviceMemory], utilization: float) -> None:
     """Every device has at least total x utilization free (vLLM refuses to start below that too)."""
     for dev in devices:
-        wanted = int(dev.total_bytes * utilization)
+        wanted = usable_bytes(dev.total_bytes, utilization)
         if dev.free_bytes < wanted:
             fits = dev.free_bytes / dev.total_bytes if dev.total_bytes else 0.0
             raise InsufficientMemoryError(
@@ -179,12 +196,11 @@ def plan_capacity(
         raise ValueError(f"utilization {utilization!r} must be in (0, 1]")
     slot = bytes_per_slot(specs)
     scratch = scratch_bytes(specs, decode_batch)
-    need = scratch + slot
 
     check_free_memory(devices, utilization)
     budgets: list[tuple[DeviceMemory, int, int]] = []
     for dev in devices:
-        usable = int(dev.total_bytes * utilization)
+        usable = usable_bytes(dev.total_bytes, utilization)
         derived = usable - dev.peak_non_kv_bytes - dev.non_torch_margin_bytes
         head = (f"device {dev.name}: total {format_bytes(dev.total_bytes)}, free {format_bytes(dev.free_bytes)}, "
                 f"peak_non_kv {format_bytes(dev.peak_non_kv_bytes)}, non-torch margin {format_bytes(dev.non_torch_margin_bytes)}, "
@@ -203,10 +219,11 @@ def plan_capacity(
                     f"budget {format_bytes(derived)} by {format_bytes(kv_cache_memory_bytes - derived)}. "
                     f"Fix: lower it or {_ADVICE}.")
             budget = kv_cache_memory_bytes
-        if budget < need:
+        shortfall = kv_shortfall(budget, specs, decode_batch)
+        if shortfall:
             raise InsufficientMemoryError(
                 f"{head}: budget {format_bytes(budget)} cannot hold scratch {format_bytes(scratch)} + one slot "
-                f"{format_bytes(slot)} (max_model_len {max_model_len}); shortfall {format_bytes(need - budget)}. "
+                f"{format_bytes(slot)} (max_model_len {max_model_len}); shortfall {format_bytes(shortfall)}. "
                 f"Fix: {_ADVICE}.")
         budgets.append((dev, usable, budget))
 

@@ -85,7 +85,7 @@ def step_limits(rc: RuntimeConfig) -> StepLimits:
 def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
     """Up to `count` chunk lengths of at most `chunk` tokens adding up to at most `tokens`; a chunk has at
     least 2 tokens (a 1-token row is a decode row, which the step's decode limit counts)."""
-    lengths = []
+    lengths: list[int] = []
     while tokens >= 2 and len(lengths) < count:
         lengths.append(min(chunk, tokens))
         tokens -= lengths[-1]

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.config import Layout
+from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
 from npu.dsv4.hyper import unweighted_rms
 from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.dsv4.rope import Rope, Rotation
@@ -68,7 +68,7 @@ def pool_windows(rows: torch.Tensor, ok: torch.Tensor, ratio: int, width: int, o
 class Attention:
     """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype)."""
 
-    def __init__(self, layout: Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
+    def __init__(self, layout: DeepseekV4Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
                  ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
         self.lay, self.ratios, self.kinds, self.ropes, self.w, self.io, self.dtype = (
             layout, ratios, kinds, ropes, w, io, dtype)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.core.config import Layout
+from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -68,7 +68,7 @@ class Rope:
         return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1), signed, -signed)
 
 
-def layer_ropes(layout: Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:
+def layer_ropes(layout: DeepseekV4Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:
     """{False: window-only layers' RoPE, True: compressed layers' RoPE (YaRN when the layout sets it)}."""
     dim = layout.qk_rope_head_dim
     compress = (yarn_inv_freq(layout.compress_rope_theta, dim, layout.yarn_factor,

@@ -240,8 +240,17 @@ def test_architecture_rules_name_key_paths():
     assert_issue(["model.layout.num_kv_heads=2", "+model=dsv4_tiny"], "model.layout.num_kv_heads", ["MQA", "1"])
     assert_issue(["+model=dsv4_tiny", "model.cache_groups.3.row.width=8"], "model.cache_groups[3].row.width",
                  ["idx", "16"])
-    assert_issue(["+model=qwen3_tiny", "model.cache_groups.0.history=ring", "model.cache_groups.0.ring_span=sliding_window",
-                  "model.layout.sliding_window=16"], "model.cache_groups[0].history", ["full"])
+    assert_issue(["+model=qwen3_tiny", "model.cache_groups.0.tokens_per_row=2", "model.cache_groups.0.rows_per_block=8"],
+                 "model.cache_groups[0].tokens_per_row", ["one row per token"])
+
+
+def test_a_layout_holds_only_its_architectures_keys():
+    """Each arch has its own layout type: a DeepSeek key given to qwen3 is an error naming qwen3's keys, and a
+    DeepSeek key without a default is required for deepseek_v4 (never a None the runner would trip on)."""
+    assert_issue(["+model=qwen3_tiny", "model.layout.sliding_window=16"], "model.layout.sliding_window",
+                 ["not a key of arch qwen3's layout", "intermediate_size"])
+    assert_issue(["+model=dsv4_tiny", "model.layout.index_topk=???"], "model.layout.index_topk", ["deepseek_v4 needs it"])
+    assert not hasattr(load_runtime_config(["+model=qwen3_tiny"]).model.layout, "sliding_window")
 
 
 def test_step_budget_and_prefill_tiles_are_whole_blocks():

@@ -16,18 +16,18 @@ def issues(overrides):
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["+decode_btach=4"], ("decode_btach = 4: not a key of the schema (appliance/config/schema.py); "
+    (["+decode_btach=4"], ("decode_btach = 4: not a key of the schema (appliance/core/config.py); "
                            "did you mean decode_batch?")),
     (["decode_btach=4"], "did you mean decode_batch?"),
     (["++decode_btach=4"], "did you mean decode_batch?"),
     (["+model=dsv4", "+model.layout.slidng_window=3"], ("model.layout.slidng_window = 3: not a key of the schema "
-                                                        "(appliance/config/schema.py); did you mean "
+                                                        "(appliance/core/config.py); did you mean "
                                                         "model.layout.sliding_window?")),
     (["+model=dsv4", "model.layout.hiden_size=3"], "did you mean model.layout.hidden_size?"),
     (["server.prot=1"], "did you mean server.port?"),
     (["+model=dsv4", "+model.cache_groups.1.row.widht=3"], "did you mean model.cache_groups.1.row.width?"),
     (["+kv_cache_memory_bytes=5"], "did you mean kv_cache.kv_cache_memory_bytes?"),   # right key, wrong level
-    (["+model=dsv4", "+model.bogus=1"], ("model.bogus = 1: not a key of the schema (appliance/config/schema.py); "
+    (["+model=dsv4", "+model.bogus=1"], ("model.bogus = 1: not a key of the schema (appliance/core/config.py); "
                                          "the keys under model are: name, arch, layout, cache_groups")),
     (["+decode_batch=4"], ("+decode_batch = 4: '+' adds a key, and decode_batch already exists: write "
                            "decode_batch=4 ('+' is only for the groups +model= and +sweep=)")),

@@ -259,3 +259,34 @@ def test_weights_load_with_a_progress_bar(monkeypatch, tmp_path, make):
         weights.load_state_dict(tmp_path, expected, "cpu")
     assert [(b.total, b.n) for b in bars] == [(2, 2)]
     assert bars[0].desc in ("making random weights", "loading weights")
+
+
+@pytest.mark.parametrize("utilization", [0.85, 0.9, 0.93, 1.0])
+def test_the_fit_before_loading_and_the_plan_agree_at_the_boundary(utilization):
+    """One fit check (planner.kv_shortfall) and one total x utilization (planner.usable_bytes): a device that
+    passes the check before loading, with the estimated weights as its peak, plans at least one slot; a device
+    one byte smaller fails both, each naming a shortfall of the same size."""
+    from appliance.core.estimate import estimate_peak_non_kv
+    from appliance.core.parallel import RankPlace
+    from appliance.core.planner import kv_shortfall, least_kv_bytes, usable_bytes
+    from npu.launcher import check_weights_fit
+
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", f"npu_memory_utilization={utilization}"])
+    specs = rc.model.cache_groups
+    weights = estimate_peak_non_kv(rc.model, RankPlace.single(), 0).weight_bytes_per_device
+    total = next(t for t in range(int((weights + least_kv_bytes(specs, rc.decode_batch)) / utilization) - 2, 1 << 40)
+                 if usable_bytes(t, utilization) - weights >= least_kv_bytes(specs, rc.decode_batch))
+    for size, fits in ((total, True), (total - 1, False)):
+        shortfall = kv_shortfall(usable_bytes(size, utilization) - weights, specs, rc.decode_batch)
+        assert (shortfall == 0) == fits
+        device = DeviceMemory("cpu", size, size, weights)
+        if fits:
+            check_weights_fit(rc, CpuBackend(memory_bytes_per_device=size))
+            assert plan_capacity(specs, [device], utilization=utilization, decode_batch=rc.decode_batch,
+                                 max_model_len=rc.max_model_len, block_size=rc.block_size).capacity_slots >= 1
+            continue
+        with pytest.raises(InsufficientMemoryError, match=f"shortfall +{shortfall:,} B"):
+            check_weights_fit(rc, CpuBackend(memory_bytes_per_device=size))
+        with pytest.raises(InsufficientMemoryError, match=f"shortfall {shortfall:,} B"):
+            plan_capacity(specs, [device], utilization=utilization, decode_batch=rc.decode_batch,
+                          max_model_len=rc.max_model_len, block_size=rc.block_size)

@@ -10,9 +10,11 @@ transformers' DeepseekV4Config writes (`layer_types` + `compress_rates`, `mlp_la
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from appliance.core.archs.hf_config import HfConfigError, HfLayout, check_layout_kinds, dtype_of, read
+from appliance.core.checks import Checker
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec
@@ -22,6 +24,52 @@ HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 HF_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV4Layout(Layout):
+    """DeepSeek V4 as released: sliding-window attention with CSA / HCA compressed layers and an indexer, q-LoRA
+    queries and a grouped output projection, MoE with hash-routed first layers, hyper-connections, MTP layers."""
+
+    num_mtp_layers: int = 0
+    sliding_window: int
+    compress_ratios: tuple[int, ...]       # one per layer, main layers then MTP layers
+    index_head_dim: int
+    index_num_heads: int
+    index_topk: int
+    q_lora_rank: int                       # queries: wq_a to this rank, q_norm, then wq_b
+    qk_rope_head_dim: int                  # trailing channels of a head that RoPE rotates (interleaved pairs)
+    o_groups: int                          # grouped output projection: head groups (wo_a per group, then wo_b)
+    o_lora_rank: int                       # ... and the width each group is projected to
+    compress_rope_theta: float             # RoPE base of compressed layers (window-only layers: rope_theta)
+    yarn_factor: float | None = None       # YaRN of the compressed layers' RoPE (config.json rope_scaling); null: none
+    yarn_original_max_position_embeddings: int | None = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    num_experts: int                       # routed experts per MoE layer
+    num_experts_per_tok: int
+    num_shared_experts: int = 1
+    moe_intermediate_size: int
+    num_hash_layers: int = 0               # the first layers route by a fixed table tid2eid[token]
+    scoring_func: str = "sqrtsoftplus"     # router scores of the experts
+    routed_scaling_factor: float = 1.0     # routed weights are renormalized, then scaled by this
+    swiglu_limit: float                    # experts clamp their gate (above) and up (both sides) to this
+    hc_mult: int                           # hyper-connections: residual streams
+    hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
+    hc_eps: float = 1e-6
+    quant_block_size: int | None = None    # checkpoint linears FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
+    expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null: dtype
+
+    @property
+    def main_layer_ratios(self) -> tuple[int, ...]:
+        return self.compress_ratios[: self.num_layers]
+
+    @property
+    def num_routed_experts(self) -> int:
+        return self.num_experts
+
+    def ring_spans(self) -> dict[str, int]:
+        return {"sliding_window": self.sliding_window}
+
 
 # config.json key (nested keys dotted, as config_view flattens them) -> the layout key it must agree with.
 CONFIG_KEYS = {
@@ -121,7 +169,7 @@ def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(quant, dict):
         block = quant.get("weight_block_size")
         square = isinstance(block, list) and len(block) == 2 and block[0] == block[1]
-        view["quantization_config.weight_block_size"] = block[0] if square else block
+        view["quantization_config.weight_block_size"] = block[0] if square and block is not None else block
         for key in ("quant_method", "fmt", "scale_fmt"):
             if key in quant:
                 view[f"quantization_config.{key}"] = quant[key]
@@ -132,7 +180,7 @@ def config_view(cfg: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
-def hf_compress_ratios(cfg: dict[str, Any], num_layers: int, num_mtp: int) -> tuple[str, list[int]]:
+def hf_compress_ratios(cfg: dict[str, Any], num_layers: int | None, num_mtp: int) -> tuple[str, list[int]]:
     """(config.json key, one ratio per main then MTP layer) from layer_types + compress_rates (transformers'
     defaults 4 and 128 for the ones it leaves out), or the released per-layer compress_ratios list (which may
     run past the main layers); MTP layers keep only the sliding window (ratio 0) unless listed."""
@@ -157,10 +205,11 @@ def layout_from_hf_config(cfg: dict[str, Any]) -> HfLayout:
     """model.layout from a DeepSeek V4 config.json (released or transformers' spelling, read through config_view;
     a key it leaves out takes transformers' DeepseekV4Config default)."""
     view = config_view(cfg)
-    from_file = {key: (file_key, read(view, file_key, ...) if file_key in HF_REQUIRED
-                       else view.get(file_key, HF_DEFAULTS.get(file_key)))
-                 for file_key, key in CONFIG_KEYS.items() if key != "main_layer_ratios"}
-    check_layout_kinds(HfLayout(from_file))
+    from_file: dict[str, tuple[str, Any]] = {
+        key: (file_key, read(view, file_key, ...) if file_key in HF_REQUIRED
+              else view.get(file_key, HF_DEFAULTS.get(file_key)))
+        for file_key, key in CONFIG_KEYS.items() if key != "main_layer_ratios"}
+    check_layout_kinds(HfLayout(from_file), DeepseekV4Layout)
     num_layers, num_mtp = from_file["num_layers"][1], from_file["num_mtp_layers"][1]
     from_file["compress_ratios"] = hf_compress_ratios(cfg, num_layers, num_mtp)
     from_file["dtype"] = dtype_of(cfg)
@@ -199,13 +248,13 @@ def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def compress_ratios(layout: Layout) -> tuple[int, int] | None:
+def compress_ratios(layout: DeepseekV4Layout) -> tuple[int, int] | None:
     """(CSA ratio, HCA ratio) of the main layers, or None when there are not exactly two nonzero ratios."""
     nonzero = sorted({r for r in layout.main_layer_ratios if r})
     return (nonzero[0], nonzero[1]) if len(nonzero) == 2 else None
 
 
-def csa_ratio(layout: Layout) -> int:
+def csa_ratio(layout: DeepseekV4Layout) -> int:
     """The CSA ratio: the smallest nonzero one. Its compressors (and the indexer's) pool overlapping windows."""
     return min((r for r in layout.main_layer_ratios if r), default=0)
 
@@ -225,12 +274,12 @@ def state_span_pages(start: int, num_tokens: int, ratio: int, tokens_per_page: i
     return (start + num_tokens - 1) // tokens_per_page - earliest // tokens_per_page + 1
 
 
-def group_roles(model: ModelSpec, csa: int, hca: int) -> dict[str, tuple[tuple[int, ...], int, int]]:
+def group_roles(model: ModelSpec[DeepseekV4Layout], csa: int, hca: int) -> dict[str, tuple[tuple[int, ...], int, int]]:
     """Cache group name -> (layers, tokens per row, least row width) the runner needs. A compressor state row
     holds a token's kv and score (gate + position bias), each as wide as the compressor: head_dim for HCA,
     2 x head_dim for the overlapping CSA compressor and 2 x index_head_dim for the indexer's."""
     lay, ratios = model.layout, model.main_layer_ratios
-    d, di = lay.head_dim, lay.index_head_dim or 0
+    d, di = lay.head_dim, lay.index_head_dim
     layers_of = lambda r: tuple(i for i, x in enumerate(ratios) if x == r)  # noqa: E731
     return {
         "ori": (tuple(range(len(ratios))), 1, d),
@@ -243,7 +292,7 @@ def group_roles(model: ModelSpec, csa: int, hca: int) -> dict[str, tuple[tuple[i
     }
 
 
-def _layout_issues(lay: Layout) -> list[ConfigIssue]:
+def _layout_issues(lay: DeepseekV4Layout) -> list[ConfigIssue]:
     """The model as released needs these keys, with values its math can run."""
     issues = []
 
@@ -259,16 +308,14 @@ def _layout_issues(lay: Layout) -> list[ConfigIssue]:
 
     if lay.num_kv_heads != 1:
         need("num_kv_heads", False, "arch deepseek_v4 keeps one latent KV row per token (MQA): must be 1")
-    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
-        need(key, getattr(lay, key) is not None, "arch deepseek_v4 needs it")
     need("tokens_in_flight", lay.tokens_in_flight > 0, "arch deepseek_v4 bounds a step's chunk by it: must be > 0")
     sizes = {k: positive(k) for k in ("q_lora_rank", "qk_rope_head_dim", "o_groups", "o_lora_rank", "num_experts",
                                       "num_experts_per_tok", "moe_intermediate_size", "hc_mult")}
-    need("swiglu_limit", lay.swiglu_limit is not None and lay.swiglu_limit > 0,
+    need("swiglu_limit", lay.swiglu_limit > 0,
          "arch deepseek_v4 clamps its experts' inputs: needs a limit > 0 (10.0 as released)")
     if sizes["qk_rope_head_dim"]:
         rope = lay.qk_rope_head_dim
-        need("qk_rope_head_dim", rope % 2 == 0 and rope <= lay.head_dim and rope <= (lay.index_head_dim or rope),
+        need("qk_rope_head_dim", rope % 2 == 0 and rope <= lay.head_dim and rope <= lay.index_head_dim,
              f"RoPE rotates pairs of the trailing channels of a head ({lay.head_dim}) and of an indexer head "
              f"({lay.index_head_dim}): must be even and fit both")
     if sizes["o_groups"]:
@@ -281,7 +328,7 @@ def _layout_issues(lay: Layout) -> list[ConfigIssue]:
     need("num_hash_layers", 0 <= lay.num_hash_layers <= lay.num_layers,
          f"must be in [0, num_layers = {lay.num_layers}]")
     need("scoring_func", lay.scoring_func in SCORING_FUNCS, f"must be one of {list(SCORING_FUNCS)}")
-    need("compress_rope_theta", lay.compress_rope_theta is not None and lay.compress_rope_theta > 0,
+    need("compress_rope_theta", lay.compress_rope_theta > 0,
          "arch deepseek_v4 needs the RoPE base of its compressed layers (> 0)")
     need("yarn_original_max_position_embeddings",
          (lay.yarn_factor is None) == (lay.yarn_original_max_position_embeddings is None),
@@ -295,10 +342,33 @@ def _layout_issues(lay: Layout) -> list[ConfigIssue]:
         need("expert_dtype", lay.hidden_size % 32 == 0 and lay.moe_intermediate_size % 32 == 0,
              f"FP4 experts keep one scale per 32 values of a row: hidden_size ({lay.hidden_size}) and "
              f"moe_intermediate_size ({lay.moe_intermediate_size}) must be multiples of 32")
-    mtp_ratios = list((lay.compress_ratios or ())[lay.num_layers:])
+    mtp_ratios = list(lay.compress_ratios[lay.num_layers:])
     need("compress_ratios", not any(mtp_ratios),
          f"MTP layers attend through the sliding window only (ratio 0), as released; got {mtp_ratios}")
     return issues
+
+
+def layout_rules(lay: DeepseekV4Layout) -> list[ConfigIssue]:
+    """The layout rules the cache groups derive from (checked before they are): window and indexer sizes, and
+    one compress ratio per layer (main then MTP), each dividing the block size."""
+    c = Checker()
+    for key in ("sliding_window", "index_head_dim", "index_num_heads", "index_topk"):
+        c.positive_int(f"model.layout.{key}", getattr(lay, key))
+    c.non_negative("model.layout.num_mtp_layers", lay.num_mtp_layers)
+    ratios = lay.compress_ratios
+    expected = lay.num_layers + lay.num_mtp_layers
+    c.check(len(ratios) == expected, "model.layout.compress_ratios", list(ratios),
+            f"must have num_layers + num_mtp_layers = {expected} entries, has {len(ratios)} "
+            f"(is a tiny layout mixed with a full one?)")
+    bad_ratio_layers: dict[int, list[int]] = {}
+    for i, r in enumerate(ratios):
+        if c.check(r >= 0, f"model.layout.compress_ratios[{i}]", r, "must be an integer >= 0"):
+            if r > 0 and lay.block_size > 0 and lay.block_size % r:
+                bad_ratio_layers.setdefault(r, []).append(i)
+    for r, layers in bad_ratio_layers.items():
+        c.fail(f"model.layout.compress_ratios[{layers[0]}]", r,
+               f"must divide model.layout.block_size ({lay.block_size}); layers with this ratio: {layers}")
+    return c.issues
 
 
 def _row_format_issues(spec: CacheGroupSpec, path: str, name: str) -> list[ConfigIssue]:
@@ -317,14 +387,14 @@ def _row_format_issues(spec: CacheGroupSpec, path: str, name: str) -> list[Confi
     return []
 
 
-def validate(model: ModelSpec) -> list[ConfigIssue]:
+def validate(model: ModelSpec[DeepseekV4Layout]) -> list[ConfigIssue]:
     lay = model.layout
     issues = _layout_issues(lay)
     ratios = compress_ratios(lay)
     if ratios is None:
-        issues.append(ConfigIssue("model.layout.compress_ratios", list(lay.compress_ratios or ()),
+        issues.append(ConfigIssue("model.layout.compress_ratios", list(lay.compress_ratios),
                                   "arch deepseek_v4 needs exactly two nonzero ratios (CSA = smallest, HCA = largest)"))
-    if issues:
+    if issues or ratios is None:
         return issues
     index = {g.name: i for i, g in enumerate(model.cache_groups)}
     for name, (layers, tokens_per_row, width) in group_roles(model, *ratios).items():

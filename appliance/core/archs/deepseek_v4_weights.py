@@ -23,8 +23,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from appliance.core.archs.deepseek_v4 import csa_ratio
-from appliance.core.config import Layout
+from appliance.core.archs.deepseek_v4 import DeepseekV4Layout, csa_ratio
 from appliance.core.kv_cache_spec import DTYPE_BYTES
 from appliance.core.parallel import RankPlace
 
@@ -72,11 +71,12 @@ def scale_name(name: str) -> str:
     return name.removesuffix(".weight") + ".scale"
 
 
-def stored_tensors(w: Weight, layout: Layout) -> list[StoredTensor]:
+def stored_tensors(w: Weight, layout: DeepseekV4Layout) -> list[StoredTensor]:
     """The tensors that hold `w` in a checkpoint: its values, and its scales when quantized."""
     if w.format == "fp8":
         out, inp = w.shape
         b = layout.quant_block_size
+        assert b is not None, "fp8 linears come with model.layout.quant_block_size"
         return [StoredTensor(w.name, w.shape, FP8, w),
                 StoredTensor(scale_name(w.name), (-(-out // b), -(-inp // b)), SCALE, w)]
     if w.format == "fp4":
@@ -87,7 +87,7 @@ def stored_tensors(w: Weight, layout: Layout) -> list[StoredTensor]:
     return [StoredTensor(w.name, w.shape, dtype, w)]
 
 
-def layer_weights(layout: Layout, prefix: str, layer: int, mtp: bool = False) -> list[Weight]:
+def layer_weights(layout: DeepseekV4Layout, prefix: str, layer: int, mtp: bool = False) -> list[Weight]:
     """The weights of decoder layer `layer` (main layers, then MTP layers) under `prefix`
     (`layers.L.` or `mtp.J.`)."""
     lay = layout
@@ -144,14 +144,14 @@ def layer_weights(layout: Layout, prefix: str, layer: int, mtp: bool = False) ->
     return out
 
 
-def hc_head_weights(layout: Layout, prefix: str, mtp: bool = False) -> list[Weight]:
+def hc_head_weights(layout: DeepseekV4Layout, prefix: str, mtp: bool = False) -> list[Weight]:
     hc, D = layout.hc_mult, layout.hidden_size
     return [Weight(prefix + "hc_head_fn", (hc, hc * D), "float32", mtp=mtp),
             Weight(prefix + "hc_head_base", (hc,), "float32", mtp=mtp),
             Weight(prefix + "hc_head_scale", (1,), "float32", mtp=mtp)]
 
 
-def model_weights(layout: Layout) -> list[Weight]:
+def model_weights(layout: DeepseekV4Layout) -> list[Weight]:
     """Every weight of the checkpoint: embedding, main layers, final norm, head, hc head, then MTP layers
     (which share the embedding and head of the main model)."""
     lay = layout
@@ -174,29 +174,30 @@ def model_weights(layout: Layout) -> list[Weight]:
     return out
 
 
-def checkpoint_tensors(layout: Layout) -> list[StoredTensor]:
+def checkpoint_tensors(layout: DeepseekV4Layout) -> list[StoredTensor]:
     """Every tensor a checkpoint of this layout holds, as stored."""
     return [t for w in model_weights(layout) for t in stored_tensors(w, layout)]
 
 
-def rank_weights(layout: Layout, place: RankPlace) -> list[Weight]:
+def rank_weights(layout: DeepseekV4Layout, place: RankPlace) -> list[Weight]:
     """The weights one rank holds: everything but the routed experts (attention, shared expert, router, embedding
     and head are replicated over data-parallel ranks), plus its expert-parallel slice of the routed experts."""
     mine = place.experts(layout.num_experts)
     return [w for w in model_weights(layout) if not w.expert or w.expert_id in mine]
 
 
-def rank_weight_bytes(layout: Layout, place: RankPlace) -> int:
+def rank_weight_bytes(layout: DeepseekV4Layout, place: RankPlace) -> int:
     """Checkpoint bytes of the tensors one rank loads (rank_weights, as stored)."""
     replicated, per_expert = _bytes_by_expert(layout)
     return replicated + sum(per_expert.get(e, 0) for e in place.experts(layout.num_experts))
 
 
 @functools.cache
-def _bytes_by_expert(layout: Layout) -> tuple[int, dict[int, int]]:
+def _bytes_by_expert(layout: DeepseekV4Layout) -> tuple[int, dict[int, int]]:
     """(bytes every rank holds, bytes of each routed expert over all layers): the full layout has some 70,000
     tensors, and a plan asks this for every rank, so the description is walked once per layout."""
-    replicated, per_expert = 0, {}
+    replicated = 0
+    per_expert: dict[int, int] = {}
     for w in model_weights(layout):
         nbytes = sum(t.nbytes for t in stored_tensors(w, layout))
         if w.expert:
@@ -219,7 +220,7 @@ class ParameterCounts:
         return self.replicated_bytes + self.expert_bytes
 
 
-def parameter_counts(layout: Layout) -> ParameterCounts:
+def parameter_counts(layout: DeepseekV4Layout) -> ParameterCounts:
     weights = model_weights(layout)
     main = [w for w in weights if not w.mtp and w.is_parameter]
     routed = sum(w.numel for w in main if w.expert)

@@ -66,7 +66,9 @@ def read(cfg: dict[str, Any], key: str, default: Any = ...) -> Any:
 # exactly: `true` is no layer count and 64.5 no width. Checked before any mapping reads a value, so a bad
 # file is one message naming the key, never a traceback or a silently truncated number.
 
-LAYOUT_KINDS: dict[str, Any] = {**typing.get_type_hints(Layout), "main_layer_ratios": tuple[int, ...] | None}
+def layout_kinds(layout_type: type[Layout]) -> dict[str, Any]:
+    """The kind of every key of an architecture's layout type (and main_layer_ratios, which some files give)."""
+    return {**typing.get_type_hints(layout_type), "main_layer_ratios": tuple[int, ...] | None}
 
 
 def kind_fits(value: Any, kind: Any) -> bool:
@@ -94,8 +96,9 @@ def kind_name(kind: Any) -> str:
         return " or ".join(kind_name(a) for a in args)
     if origin in (list, tuple):
         return "a list of " + {int: "integers", str: "strings"}.get(args[0], kind_name(args[0]))
-    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", dict: "an object",
-            type(None): "null"}.get(kind, kind.__name__)
+    names: dict[Any, str] = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+                             dict: "an object", type(None): "null"}
+    return names.get(kind, kind.__name__)
 
 
 def check_kind(key: str, value: Any, kind: Any, layout_key: str | None = None) -> None:
@@ -109,7 +112,8 @@ def json_kind(value: Any) -> str:
     """What JSON calls the kind of a json.loads value: list, null, string, number, boolean or object."""
     if value is None or isinstance(value, bool):
         return "null" if value is None else "boolean"
-    return {list: "list", str: "string", dict: "object"}.get(type(value), "number")
+    kinds: dict[type, str] = {list: "list", str: "string", dict: "object"}
+    return kinds.get(type(value), "number")
 
 
 def config_object(cfg: Any) -> dict[str, Any]:
@@ -119,23 +123,24 @@ def config_object(cfg: Any) -> dict[str, Any]:
     return cfg
 
 
-def check_value_kinds(cfg: dict[str, Any], config_keys: dict[str, str], extra_kinds: dict[str, Any]) -> None:
+def check_value_kinds(cfg: dict[str, Any], config_keys: dict[str, str], extra_kinds: dict[str, Any],
+                      layout_type: type[Layout]) -> None:
     """Every top-level key an architecture reads (`config_keys`: config.json key -> layout key, and
     `extra_kinds`) holds its kind when present; null stands for absent."""
     check_kind("architectures", cfg.get("architectures"), list[str] | None)
     check_kind("model_type", cfg.get("model_type"), str | None)
     for file_key, layout_key in config_keys.items():
         if "." not in file_key and cfg.get(file_key) is not None:
-            check_kind(file_key, cfg[file_key], LAYOUT_KINDS[layout_key], layout_key)
+            check_kind(file_key, cfg[file_key], layout_kinds(layout_type)[layout_key], layout_key)
     for file_key, kind in extra_kinds.items():
         if cfg.get(file_key) is not None:
             check_kind(file_key, cfg[file_key], kind)
 
 
-def check_layout_kinds(hf: HfLayout) -> None:
-    """The layout a mapping made (nested and derived values included) has the kinds model.layout declares."""
+def check_layout_kinds(hf: HfLayout, layout_type: type[Layout]) -> None:
+    """The layout a mapping made (nested and derived values included) has the kinds its layout type declares."""
     for layout_key, (file_key, value) in hf.from_file.items():
-        check_kind(file_key, value, LAYOUT_KINDS[layout_key], layout_key)
+        check_kind(file_key, value, layout_kinds(layout_type)[layout_key], layout_key)
 
 
 def identity_issue(cfg: dict[str, Any], hf_architectures: tuple[str, ...], model_types: tuple[str, ...]) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from appliance.core.archs.hf_config import HfConfigError, HfLayout, dtype_of, plain_rope_theta, read
@@ -13,6 +14,14 @@ from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec
 from appliance.core.parallel import RankPlace, TensorSlice
 
 KV = "kv"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Layout(Layout):
+    """Qwen3: plain attention over every layer, then a dense MLP."""
+
+    intermediate_size: int                 # dense MLP width
+
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)
 HF_MODEL_TYPES = ("qwen3",)
 
@@ -56,15 +65,19 @@ def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:
              "row": {"dtype": layout["dtype"], "width": 2 * layout["num_kv_heads"] * layout["head_dim"]}}]
 
 
-def validate(model: ModelSpec) -> list[ConfigIssue]:
+def layout_rules(lay: Qwen3Layout) -> list[ConfigIssue]:
+    if lay.intermediate_size > 0:
+        return []
+    return [ConfigIssue("model.layout.intermediate_size", lay.intermediate_size, "must be a positive integer")]
+
+
+def validate(model: ModelSpec[Qwen3Layout]) -> list[ConfigIssue]:
     lay, groups = model.layout, model.cache_groups
     if len(groups) != 1 or groups[0].name != KV:
         return [ConfigIssue("model.cache_groups", [g.name for g in groups],
                             f"arch qwen3 needs exactly one cache group, named {KV!r}")]
     spec, p = groups[0], "model.cache_groups[0]"
     issues = []
-    if lay.intermediate_size is None:
-        issues.append(ConfigIssue("model.layout.intermediate_size", None, "arch qwen3 needs its dense MLP width"))
     if spec.layer_ids != tuple(range(lay.num_layers)):
         issues.append(ConfigIssue(f"{p}.layers", list(spec.layer_ids), "arch qwen3 keeps K/V of every layer: 'all'"))
     if spec.history != "full":
@@ -93,7 +106,7 @@ def validate(model: ModelSpec) -> list[ConfigIssue]:
 # rank computes a slice of the logits, gathered once per step); the embedding and the norms are replicated.
 # The runner loads, the estimate counts and the KV pools hold what this table says.
 
-def parameters(layout: Layout) -> list[tuple[str, tuple[int, ...], int | None]]:
+def parameters(layout: Qwen3Layout) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(name, full shape, dimension divided over tensor-parallel ranks or None) of every parameter."""
     lay = layout
     h, hd, inter = lay.hidden_size, lay.head_dim, lay.intermediate_size
@@ -120,13 +133,13 @@ def parameters(layout: Layout) -> list[tuple[str, tuple[int, ...], int | None]]:
     return out
 
 
-def held_slices(layout: Layout, place: RankPlace) -> dict[str, TensorSlice | None]:
+def held_slices(layout: Qwen3Layout, place: RankPlace) -> dict[str, TensorSlice | None]:
     """What `place` holds of each parameter: its slice of the divided ones (heads, MLP columns, vocab rows)."""
     return {name: None if dim is None or place.tensor == 1 else place.tensor_slice(dim, shape[dim])
             for name, shape, dim in parameters(layout)}
 
 
-def rank_weight_bytes(layout: Layout, place: RankPlace) -> int:
+def rank_weight_bytes(layout: Qwen3Layout, place: RankPlace) -> int:
     """Checkpoint bytes `place` loads: the parameters table, each divided one at its slice."""
     shapes = {name: shape for name, shape, _ in parameters(layout)}
     return DTYPE_BYTES[layout.dtype] * sum(
@@ -134,12 +147,12 @@ def rank_weight_bytes(layout: Layout, place: RankPlace) -> int:
         for name, s in held_slices(layout, place).items())
 
 
-def rank_cache_groups(model: ModelSpec, place: RankPlace) -> tuple[CacheGroupSpec, ...]:
+def rank_cache_groups(model: ModelSpec[Qwen3Layout], place: RankPlace) -> tuple[CacheGroupSpec, ...]:
     """The kv group as one rank stores it: only its kv heads, so its rows (and page bytes) are 1/tensor wide."""
     return tuple(dataclasses.replace(g, row_width=g.row_width // place.tensor) for g in model.cache_groups)
 
 
-def parallel_issues(layout: Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
+def parallel_issues(layout: Qwen3Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
     """Tensor parallel splits heads, kv heads and the MLP evenly: the size must divide each."""
     tp, issues = parallel.tensor_parallel_size, []
     for key in ("num_heads", "num_kv_heads", "intermediate_size"):
