@@ -317,6 +317,7 @@ def engine_steps(rounds: int, max_tokens: int) -> dict[str, Any]:
     never_done = SamplingParams(max_tokens=max_tokens, constraint=OutputConstraint.regex(r"[a-z ]{5000}"))
     prompts = [[5 + i, 40 + i, 90 + i, 7] for i in range(rows)]
     per_step: dict[str, list[float]] = {"0 of 8": [], "1 of 8": []}
+    per_mask: dict[str, list[float]] = {"0 of 8": [], "1 of 8": []}
     with Appliance.from_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=512", "max_num_seqs=8"]) as app:
         engine = app.engine
         step_times: list[float] = []
@@ -328,15 +329,26 @@ def engine_steps(rounds: int, max_tokens: int) -> dict[str, Any]:
             step_times.append(time.perf_counter() - t0)
             return finished
 
-        engine._execute = timed
+        mask = engine._mask_constrained
+        mask_times: list[float] = []
+
+        def timed_mask(*mask_args):
+            t0 = time.perf_counter()
+            mask(*mask_args)
+            mask_times.append(time.perf_counter() - t0)
+
+        engine._execute, engine._mask_constrained = timed, timed_mask
         app.generate(prompts, plain)                                     # warm up
         for _ in range(rounds):
             for label, params in (("0 of 8", [plain] * rows), ("1 of 8", [never_done] + [plain] * (rows - 1))):
                 step_times.clear()
+                mask_times.clear()
                 app.generate(prompts, params)
                 per_step[label].append(statistics.median(step_times))
+                per_mask[label].append(statistics.median(mask_times))
     out: dict[str, Any] = {k: statistics.median(v) * 1e3 for k, v in per_step.items()}
-    out["rounds"] = {k: [round(x * 1e3, 3) for x in v] for k, v in per_step.items()}
+    out["rounds"] = {k: [x * 1e3 for x in v] for k, v in per_step.items()}
+    out["mask_rounds"] = {k: [x * 1e6 for x in v] for k, v in per_mask.items()}
     for vocab_size in (512, 129280):
         tk, eos = hf_tokenizer(vocab_size)
         compiler = GrammarCompiler(Tokenizer(tk, eos_token_id=eos), vocab_size)
@@ -363,6 +375,7 @@ def main() -> None:
     ap.add_argument("--engine-rounds", type=int, default=3)
     ap.add_argument("--engine-tokens", type=int, default=48)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--engine-only", action="store_true", help="only the engine step (no library comparison)")
     ap.add_argument("--one", nargs=2, metavar=("LIBRARY", "VOCAB"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -372,6 +385,8 @@ def main() -> None:
     watch = LoadWatch()
     print(watch.header(args.engine_rounds))
     print(f"- command: python bench/bench_grammar.py {' '.join(sys.argv[1:])}".rstrip())
+    if args.engine_only:
+        args.libraries, args.vocabs = [], []
     print("\n| library | version | requires | installed size (with deps) | requires torch |")
     print("|---|---|---|---:|---|")
     installed = []
@@ -409,10 +424,10 @@ def main() -> None:
         e = engine_steps(args.engine_rounds, args.engine_tokens)
         print(f"\nengine (qwen3_tiny, CPU, 8 greedy requests x {args.engine_tokens} tokens, llguidance): a round's median "
               f"step, median [min-max] of {args.engine_rounds} interleaved rounds:")
-        print("| rows constrained | ms / step, median [min-max] |")
-        print("|---|---:|")
+        print("| rows constrained | engine step, ms | of it: the mask (bitmask fill + apply), us |")
+        print("|---|---:|---:|")
         for label in ("0 of 8", "1 of 8"):
-            print(f"| {label} | {spread(e['rounds'][label], '{:.2f}')} |")
+            print(f"| {label} | {spread(e['rounds'][label], '{:.2f}')} | {spread(e['mask_rounds'][label], '{:.0f}')} |")
         print(f"one row's bitmask fill + apply (JSON schema, first token): {e['mask_row_us_512']:.0f} us at vocab 512, "
               f"{e['mask_row_us_129280']:.0f} us at vocab 129,280")
     print(watch.footer())
