@@ -10,10 +10,14 @@ import re
 import threading
 
 import pytest
+import torch
 
 from appliance.core.constraint import OutputConstraint
 from appliance.core.request import FinishReason, SamplingParams
+from appliance.core.tokenizer import Tokenizer
+from appliance.engine.grammar import GrammarCompiler
 from appliance.offline import Appliance
+from npu.sampler import forbidden_tokens
 
 MODELS = {
     "qwen3_tiny": ["+model=qwen3_tiny", "device=cpu", "max_model_len=256"],
@@ -153,3 +157,24 @@ def test_preemption_keeps_each_matchers_state(model):
     assert [r[0] for r in results] == [r[0] for r in reference]
     for i in range(1, len(batch), 2):
         assert re.fullmatch(regex, results[i][1]) and results[i][2] is FinishReason.STOP
+
+
+def test_eos_is_allowed_only_where_the_grammar_may_end():
+    tokenizer = Tokenizer.build(512)
+    compiler = GrammarCompiler(tokenizer, 512)
+    matcher = compiler.matcher(OutputConstraint.regex("[a-z]{3,}"))
+    eos = tokenizer.eos_token_id
+
+    def eos_allowed() -> bool:
+        bitmask = torch.from_numpy(compiler.fill_bitmask([matcher]))
+        return not forbidden_tokens(bitmask, 512, torch.device("cpu"))[0, eos].item()
+
+    assert not eos_allowed()
+    for token in tokenizer.encode("ab"):
+        assert matcher.accept(token)
+    assert not eos_allowed() and not matcher.accepting
+    assert matcher.accept(tokenizer.encode("c")[0])
+    assert eos_allowed() and matcher.accepting and not matcher.terminated
+    assert matcher.accept(eos) and matcher.terminated
+    matcher.close()
+    assert compiler.num_live == 0
