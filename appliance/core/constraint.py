@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from llguidance import LLMatcher
-
 if TYPE_CHECKING:                    # a TypedDict its stub declares (no runtime name)
     from llguidance._lib import JsonCompileOptions
 
@@ -87,6 +85,10 @@ def choice_lark(choices: Sequence[str]) -> str:
 def constraint_grammar(constraint: OutputConstraint) -> str:
     """The llguidance grammar (its JSON envelope) of a constraint; ConstraintError for a schema that is not a JSON
     object. Whether the grammar compiles is validate_constraint's question."""
+    # Imported here: the CLI's validate and plan modes import this module, and only requests need the library
+    # (its import takes about 50 ms).
+    from llguidance import LLMatcher
+
     kind = constraint.kind
     if kind is ConstraintKind.JSON_OBJECT:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -122,6 +124,8 @@ def validate_constraint(constraint: OutputConstraint) -> str:
     elif constraint.kind in (ConstraintKind.REGEX, ConstraintKind.GRAMMAR, ConstraintKind.JSON_SCHEMA) \
             and not constraint.text:
         raise ConstraintError(field, "must not be empty")
+    from llguidance import LLMatcher
+
     grammar = constraint_grammar(constraint)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:

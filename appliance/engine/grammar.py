@@ -22,7 +22,6 @@ from appliance.core.constraint import ConstraintError, OutputConstraint, constra
 from appliance.core.request import RequestError
 from appliance.core.tokenizer import Tokenizer
 
-
 # Constrained rows of a step up to which their bitmasks are filled one after another on the loop thread.
 SERIAL_FILL_ROWS = 4
 
