@@ -14,7 +14,7 @@ BPE vocabulary of distinct words and fragments of the Python standard library's 
 (library, vocabulary) runs in its own process with --timeout-s. Libraries not installed are reported as such
 (the appliance needs only llguidance; `pip install xgrammar outlines-core` in a scratch venv to compare).
 
-Then the engine (qwen3_tiny, CPU): 8 greedy requests decoding together, none constrained vs 1 of 8 constrained
+Then the engine (qwen3_tiny, CPU): 8 greedy requests decoding together, 0, 1, 4 and 8 of them constrained
 (llguidance, a regex that cannot complete within the run): the median time of one engine step (runner, mask,
 sampling, stop rules; the matcher's compile at submit is not in it), rounds interleaved, and the bitmask fill +
 apply time of one row alone at both vocabulary sizes.
@@ -316,8 +316,9 @@ def engine_steps(rounds: int, max_tokens: int) -> dict[str, Any]:
     plain = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     never_done = SamplingParams(max_tokens=max_tokens, constraint=OutputConstraint.regex(r"[a-z ]{5000}"))
     prompts = [[5 + i, 40 + i, 90 + i, 7] for i in range(rows)]
-    per_step: dict[str, list[float]] = {"0 of 8": [], "1 of 8": []}
-    per_mask: dict[str, list[float]] = {"0 of 8": [], "1 of 8": []}
+    mixes = {f"{k} of {rows}": [never_done] * k + [plain] * (rows - k) for k in (0, 1, 4, 8)}
+    per_step: dict[str, list[float]] = {label: [] for label in mixes}
+    per_mask: dict[str, list[float]] = {label: [] for label in mixes}
     with Appliance.from_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=512", "max_num_seqs=8"]) as app:
         engine = app.engine
         step_times: list[float] = []
@@ -340,7 +341,7 @@ def engine_steps(rounds: int, max_tokens: int) -> dict[str, Any]:
         engine._execute, engine._mask_constrained = timed, timed_mask
         app.generate(prompts, plain)                                     # warm up
         for _ in range(rounds):
-            for label, params in (("0 of 8", [plain] * rows), ("1 of 8", [never_done] + [plain] * (rows - 1))):
+            for label, params in mixes.items():
                 step_times.clear()
                 mask_times.clear()
                 app.generate(prompts, params)
@@ -366,6 +367,43 @@ def engine_steps(rounds: int, max_tokens: int) -> dict[str, Any]:
 
 # -- report -------------------------------------------------------------------------------------------------
 
+def print_library_tables(libraries: list[str], vocabs: list[int], steps: int, timeout_s: float) -> None:
+    """The footprint table, then one row per (vocabulary, library), each measured in its own process."""
+    print("\n| library | version | requires | installed size (with deps) | requires torch |")
+    print("|---|---|---|---:|---|")
+    installed = []
+    for lib in libraries:
+        f = footprint(lib)
+        if not f["installed"]:
+            print(f"| {lib} | not installed | | | |")
+            continue
+        installed.append(lib)
+        big = sorted(f["closure"].items(), key=lambda kv: -kv[1])[:4]
+        torch_note = f"yes (installed: {f['torch_installed']})" if f["requires_torch"] else "no"
+        print(f"| {lib} | {f['version']} | {', '.join(f['requires']) or '(none)'} | {f['total_mb']:.0f} MB "
+              f"({', '.join(f'{k} {v / 2**20:.0f} MB' for k, v in big)}) | {torch_note} |")
+
+    print("\n| library | vocab | tokenizer setup | JSON schema compile | json_object compile | mask per token "
+          "(one row, median) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for vocab_size in vocabs:
+        for lib in installed:
+            cells = f"| {lib} | {vocab_size:,} |"
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--one", lib, str(vocab_size), "--steps", str(steps)],
+                                      capture_output=True, text=True, timeout=timeout_s)
+                if proc.returncode != 0:
+                    raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(f"{cells} {r['tokenizer_s'] * 1e3:.1f} ms | {r['schema_compile_s'] * 1e3:.1f} ms | "
+                      f"{r['json_object_compile_s'] * 1e3:.1f} ms | {r['mask_us']:.1f} us ({r['mask_steps']} tokens) |",
+                      flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"{cells} over {timeout_s:.0f} s | | | |", flush=True)
+            except Exception as exc:  # noqa: BLE001 - one library's failure is a row, not the end of the run
+                print(f"{cells} error: {exc} | | | |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[512, 129280])
@@ -387,46 +425,16 @@ def main() -> None:
     print(f"- command: python bench/bench_grammar.py {' '.join(sys.argv[1:])}".rstrip())
     if args.engine_only:
         args.libraries, args.vocabs = [], []
-    print("\n| library | version | requires | installed size (with deps) | requires torch |")
-    print("|---|---|---|---:|---|")
-    installed = []
-    for lib in args.libraries:
-        f = footprint(lib)
-        if not f["installed"]:
-            print(f"| {lib} | not installed | | | |")
-            continue
-        installed.append(lib)
-        big = sorted(f["closure"].items(), key=lambda kv: -kv[1])[:4]
-        print(f"| {lib} | {f['version']} | {', '.join(f['requires']) or '(none)'} | {f['total_mb']:.0f} MB "
-              f"({', '.join(f'{k} {v / 2**20:.0f} MB' for k, v in big)}) | "
-              f"{'yes (installed: ' + f['torch_installed'] + ')' if f['requires_torch'] else 'no'} |")
-
-    print("\n| library | vocab | tokenizer setup | JSON schema compile | json_object compile | mask per token "
-          "(one row, median) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for vocab_size in args.vocabs:
-        for lib in installed:
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--one", lib, str(vocab_size), "--steps",
-                                       str(args.steps)], capture_output=True, text=True, timeout=args.timeout_s)
-                if proc.returncode != 0:
-                    raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(f"| {lib} | {vocab_size:,} | {r['tokenizer_s'] * 1e3:.1f} ms | {r['schema_compile_s'] * 1e3:.1f} ms"
-                      f" | {r['json_object_compile_s'] * 1e3:.1f} ms | {r['mask_us']:.1f} us "
-                      f"({r['mask_steps']} tokens) |", flush=True)
-            except subprocess.TimeoutExpired:
-                print(f"| {lib} | {vocab_size:,} | over {args.timeout_s:.0f} s | | | |", flush=True)
-            except Exception as exc:  # noqa: BLE001 - one library's failure is a row, not the end of the run
-                print(f"| {lib} | {vocab_size:,} | error: {exc} | | | |", flush=True)
+    if args.libraries:
+        print_library_tables(args.libraries, args.vocabs, args.steps, args.timeout_s)
 
     if not args.skip_engine:
         e = engine_steps(args.engine_rounds, args.engine_tokens)
-        print(f"\nengine (qwen3_tiny, CPU, 8 greedy requests x {args.engine_tokens} tokens, llguidance): a round's median "
-              f"step, median [min-max] of {args.engine_rounds} interleaved rounds:")
+        print(f"\nengine (qwen3_tiny, CPU, 8 greedy requests x {args.engine_tokens} tokens, llguidance): a round's "
+              f"median step, median [min-max] of {args.engine_rounds} interleaved rounds:")
         print("| rows constrained | engine step, ms | of it: the mask (bitmask fill + apply), us |")
         print("|---|---:|---:|")
-        for label in ("0 of 8", "1 of 8"):
+        for label in e["rounds"]:
             print(f"| {label} | {spread(e['rounds'][label], '{:.2f}')} | {spread(e['mask_rounds'][label], '{:.0f}')} |")
         print(f"one row's bitmask fill + apply (JSON schema, first token): {e['mask_row_us_512']:.0f} us at vocab 512, "
               f"{e['mask_row_us_129280']:.0f} us at vocab 129,280")

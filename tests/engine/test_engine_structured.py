@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from appliance.core.constraint import OutputConstraint
-from appliance.core.request import FinishReason, SamplingParams
+from appliance.core.request import FinishReason, RequestError, SamplingParams
 from appliance.core.tokenizer import Tokenizer
 from appliance.engine.grammar import GrammarCompiler
 from appliance.offline import Appliance
@@ -122,7 +122,7 @@ def test_a_refused_submit_frees_its_matcher(app):
     engine = app.engine
     params = constrained(OutputConstraint.regex(REGEX), max_tokens=200)
     first = engine.submit("structured-dup", prompts(1, 5, 10, seed=8)[0], params)
-    with pytest.raises(Exception):
+    with pytest.raises(RequestError):
         engine.submit("structured-dup", prompts(1, 5, 10, seed=8)[0], params)     # the id is in flight
     first.abort()
     assert _wait_until(lambda: engine.grammars.num_live == 0)
