@@ -111,6 +111,12 @@ def validate_constraint(constraint: OutputConstraint) -> str:
     """The constraint's grammar, checked by the library (a bad regex, schema or grammar is refused with the
     library's message); ConstraintError naming the request field otherwise."""
     field = constraint.field
+    for text in (constraint.text, *constraint.choices):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConstraintError(field, f"contains a lone surrogate (U+{ord(text[exc.start]):04X}): send valid "
+                                         f"Unicode text") from None
     size = len(constraint.text) + sum(len(c) for c in constraint.choices)
     if size > MAX_CONSTRAINT_CHARS:
         raise ConstraintError(field, f"has {size:,} characters; at most {MAX_CONSTRAINT_CHARS:,}")
@@ -126,7 +132,12 @@ def validate_constraint(constraint: OutputConstraint) -> str:
         raise ConstraintError(field, "must not be empty")
     from llguidance import LLMatcher
 
-    grammar = constraint_grammar(constraint)
+    try:
+        grammar = constraint_grammar(constraint)
+    except ConstraintError:
+        raise
+    except ValueError as exc:           # the library's own refusal of a schema it cannot read
+        raise ConstraintError(field, f"is refused by the grammar compiler: {exc}") from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ConstraintError(field, f"is refused by the grammar compiler: {messages[0].strip()}")

@@ -5,6 +5,7 @@ follows no instruction: only the grammar mask makes its output valid."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
 
-from tests.serve.test_http_e2e import MESSAGES, checkpoint, client, served  # noqa: E402,F401
+from tests.serve.test_http_e2e import MESSAGES, TOKEN, checkpoint, client, served  # noqa: E402,F401
 
 MODEL = "qwen3-tiny"
 
@@ -106,6 +107,20 @@ def test_a_bad_constraint_is_a_400_naming_the_field(client, body, param):  # noq
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_a_lone_surrogate_in_a_constraint_is_a_400_not_a_crash(served):  # noqa: F811
+    """JSON may escape a lone surrogate ("\\ud800"), which the grammar library cannot take: 400 naming the field."""
+    _, port = served
+    body = ('{"model": "qwen3-tiny", "prompt": "x", "max_tokens": 2, '
+            '"structured_outputs": {"regex": "a\\ud800"}}')
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                   "Authorization": f"Bearer {TOKEN}"})
+    response = conn.getresponse()
+    answer = json.loads(response.read())
+    conn.close()
+    assert response.status == 400 and answer["error"]["param"] == "structured_outputs.regex", answer
 
 
 def test_unconstrained_requests_keep_their_greedy_text_beside_constrained_ones(client):  # noqa: F811
