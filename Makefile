@@ -37,8 +37,8 @@ soak:
 # lists the survivors, `mutmut show NAME` shows one.
 MUTATION_JOBS ?= 2
 MUTMUT = mutmut run --max-children $(MUTATION_JOBS)
-REQUEST_TESTS ?= tests/core/test_request.py tests/core/test_request_limits.py
-SAMPLER_TESTS ?= tests/npu/test_sampler.py tests/npu/test_sampler_rows.py
+REQUEST_TESTS ?= tests/core/test_request.py tests/core/test_request_limits.py tests/core/test_constraint.py
+SAMPLER_TESTS ?= tests/npu/test_sampler.py tests/npu/test_sampler_rows.py tests/npu/test_sampler_mask.py
 LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py tests/engine/test_loop_rules.py \
 	tests/engine/test_loop_partitions.py tests/engine/test_loop_retry.py
 SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \

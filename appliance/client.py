@@ -64,7 +64,8 @@ class ApplianceClient:
     def generate(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
                  **sampling) -> Iterator[RequestOutput]:
         """Stream the deltas of one request. Sampling keywords: max_tokens, temperature, top_p, top_k, seed,
-        stop, stop_token_ids, ignore_eos, logprobs, prompt_logprobs. Closing the iterator early cancels the call (the server aborts it)."""
+        stop, stop_token_ids, ignore_eos, logprobs, prompt_logprobs, constraint (an OutputConstraint). Closing the
+        iterator early cancels the call (the server aborts it)."""
         call = self.stub.Generate(generate_request(prompt, request_id, **sampling), timeout=timeout,
                                   metadata=self.metadata)
         try:

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from llguidance import LLMatcher
-
 if TYPE_CHECKING:                    # a TypedDict its stub declares (no runtime name)
     from llguidance._lib import JsonCompileOptions
 
@@ -87,6 +85,10 @@ def choice_lark(choices: Sequence[str]) -> str:
 def constraint_grammar(constraint: OutputConstraint) -> str:
     """The llguidance grammar (its JSON envelope) of a constraint; ConstraintError for a schema that is not a JSON
     object. Whether the grammar compiles is validate_constraint's question."""
+    # Imported here: the CLI's validate and plan modes import this module, and only requests need the library
+    # (its import takes about 50 ms).
+    from llguidance import LLMatcher
+
     kind = constraint.kind
     if kind is ConstraintKind.JSON_OBJECT:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -109,6 +111,12 @@ def validate_constraint(constraint: OutputConstraint) -> str:
     """The constraint's grammar, checked by the library (a bad regex, schema or grammar is refused with the
     library's message); ConstraintError naming the request field otherwise."""
     field = constraint.field
+    for text in (constraint.text, *constraint.choices):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConstraintError(field, f"contains a lone surrogate (U+{ord(text[exc.start]):04X}): send valid "
+                                         f"Unicode text") from None
     size = len(constraint.text) + sum(len(c) for c in constraint.choices)
     if size > MAX_CONSTRAINT_CHARS:
         raise ConstraintError(field, f"has {size:,} characters; at most {MAX_CONSTRAINT_CHARS:,}")
@@ -122,7 +130,14 @@ def validate_constraint(constraint: OutputConstraint) -> str:
     elif constraint.kind in (ConstraintKind.REGEX, ConstraintKind.GRAMMAR, ConstraintKind.JSON_SCHEMA) \
             and not constraint.text:
         raise ConstraintError(field, "must not be empty")
-    grammar = constraint_grammar(constraint)
+    from llguidance import LLMatcher
+
+    try:
+        grammar = constraint_grammar(constraint)
+    except ConstraintError:
+        raise
+    except ValueError as exc:           # the library's own refusal of a schema it cannot read
+        raise ConstraintError(field, f"is refused by the grammar compiler: {exc}") from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ConstraintError(field, f"is refused by the grammar compiler: {messages[0].strip()}")

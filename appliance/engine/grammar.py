@@ -22,6 +22,9 @@ from appliance.core.constraint import ConstraintError, OutputConstraint, constra
 from appliance.core.request import RequestError
 from appliance.core.tokenizer import Tokenizer
 
+# Constrained rows of a step up to which their bitmasks are filled one after another on the loop thread.
+SERIAL_FILL_ROWS = 4
+
 
 class GrammarMatcher:
     """A constrained sequence's grammar state: advanced by each committed token, closed when the sequence ends."""
@@ -104,8 +107,14 @@ class GrammarCompiler:
             self.num_live -= 1
 
     def fill_bitmask(self, matchers: list[GrammarMatcher]) -> NDArray[numpy.int32]:
-        """Row i: the tokens matchers[i] allows next, one bit per id ([len(matchers), ceil(vocab / 32)] int32)."""
+        """Row i: the tokens matchers[i] allows next, one bit per id ([len(matchers), ceil(vocab / 32)] int32).
+        A few rows are filled on this thread (microseconds each); more in llguidance's thread pool, whose
+        threads sleep between steps and cost more to wake than a few rows take."""
         bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self.executor(), [(m.live(), i) for i, m in enumerate(matchers)], bitmask)
+        if len(matchers) <= SERIAL_FILL_ROWS:
+            for i, m in enumerate(matchers):
+                llguidance.numpy.fill_next_token_bitmask(m.live(), bitmask, i)
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor(), [(m.live(), i) for i, m in enumerate(matchers)], bitmask)
         return bitmask

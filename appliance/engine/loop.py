@@ -434,7 +434,8 @@ class Engine:
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.rc.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        if grammar_done or seq.finish_reason not in (FinishReason.EOS, FinishReason.STOP):  # EOS, stop ids: no text
+        ends_without_text = seq.finish_reason is FinishReason.EOS or token in p.stop_token_ids
+        if not ends_without_text:             # an EOS or stop token id adds no text
             detokenizer = seq.detokenizer
             if detokenizer is None:
                 detokenizer = seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_token_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from appliance.core.constraint import ConstraintKind, OutputConstraint
 from appliance.core.planner import CapacityPlan, DeviceBudget, GroupPlan
 from appliance.core.request import (
     FinishReason,
@@ -79,6 +80,34 @@ def startup_report(msg: pb.StartupResponse) -> StartupReport:
                          allocate_seconds=msg.allocate_seconds, notes=tuple(msg.notes))
 
 
+def output_constraint(msg: pb.OutputConstraint) -> OutputConstraint | None:
+    """Proto constraint -> the engine's; errors (checked later by validate_request) name sampling.constraint.<kind>."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    field = f"sampling.constraint.{kind}"
+    if kind == "json_schema":
+        return OutputConstraint.json_schema(msg.json_schema, field=field)
+    if kind == "json_object":
+        if not msg.json_object:
+            raise RequestError(field, "must be true (leave the constraint unset for unconstrained output)")
+        return OutputConstraint.json_object(field=field)
+    if kind == "regex":
+        return OutputConstraint.regex(msg.regex, field=field)
+    if kind == "grammar":
+        return OutputConstraint.grammar(msg.grammar, field=field)
+    return OutputConstraint.choice(list(msg.choice.choices), field=field)
+
+
+def constraint_message(constraint: OutputConstraint) -> pb.OutputConstraint:
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return pb.OutputConstraint(json_object=True)
+    if kind is ConstraintKind.CHOICE:
+        return pb.OutputConstraint(choice=pb.Choices(choices=list(constraint.choices)))
+    return pb.OutputConstraint(**{kind.value: constraint.text})
+
+
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """Proto sampling -> engine SamplingParams; unset optional fields take the engine's defaults."""
     default = SamplingParams()
@@ -91,6 +120,7 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        constraint=output_constraint(msg.constraint) if msg.HasField("constraint") else None,
     )
 
 
@@ -146,7 +176,8 @@ def to_output(msg: pb.GenerateResponse) -> RequestOutput:
 def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
                      top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None) -> pb.SamplingParams:
+                     prompt_logprobs: int | None = None, constraint: OutputConstraint | None = None
+                     ) -> pb.SamplingParams:
     """Proto sampling from keywords; None leaves an optional field unset (the server's default applies)."""
     msg = pb.SamplingParams(temperature=temperature, top_k=top_k, stop=list(stop),
                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
@@ -157,6 +188,8 @@ def sampling_message(max_tokens: int | None = None, temperature: float = 0.0, to
         msg.top_p = top_p
     if seed is not None:
         msg.seed = seed
+    if constraint is not None:
+        msg.constraint.CopyFrom(constraint_message(constraint))
     return msg
 
 

@@ -8,7 +8,7 @@ import json
 import llguidance
 import pytest
 
-from appliance.core.constraint import MAX_CHOICES, OutputConstraint, validate_constraint
+from appliance.core.constraint import MAX_CHOICES, MAX_CONSTRAINT_CHARS, OutputConstraint, validate_constraint
 from appliance.core.request import RequestError, RequestLimits, SamplingParams, validate_request
 from appliance.core.tokenizer import Tokenizer
 
@@ -63,6 +63,11 @@ def test_a_schema_given_as_text_equals_one_given_as_a_dict():
     (OutputConstraint.choice([]), "structured_outputs.choice"),
     (OutputConstraint.choice(["a", ""]), "structured_outputs.choice"),
     (OutputConstraint.choice([str(i) for i in range(MAX_CHOICES + 1)]), "structured_outputs.choice"),
+    (OutputConstraint.regex("a" * (MAX_CONSTRAINT_CHARS + 1)), "structured_outputs.regex"),
+    (OutputConstraint.regex("a\ud800"), "structured_outputs.regex"),
+    (OutputConstraint.choice(["ok", "\udfff"]), "structured_outputs.choice"),
+    (OutputConstraint.json_schema({"enum": ["\ud800"]}), "response_format.json_schema.schema"),
+    (OutputConstraint.grammar('start: "\ud800"'), "structured_outputs.grammar"),
 ])
 def test_a_bad_constraint_is_refused_naming_its_field(constraint, field):
     with pytest.raises(RequestError) as info:

@@ -10,10 +10,18 @@ import re
 import threading
 
 import pytest
+import torch
 
+import appliance.engine.loop as engine_loop
+from appliance.config.compose import load_runtime_config
 from appliance.core.constraint import OutputConstraint
-from appliance.core.request import FinishReason, SamplingParams
+from appliance.core.request import FinishReason, RequestError, SamplingParams
+from appliance.core.tokenizer import Tokenizer
+from appliance.engine.grammar import GrammarCompiler
 from appliance.offline import Appliance
+from npu.sampler import forbidden_tokens
+from tests.engine.instrumented import HookedEngine
+from tests.engine.test_loop_partitions import PartitionedScriptedRunner
 
 MODELS = {
     "qwen3_tiny": ["+model=qwen3_tiny", "device=cpu", "max_model_len=256"],
@@ -118,7 +126,7 @@ def test_a_refused_submit_frees_its_matcher(app):
     engine = app.engine
     params = constrained(OutputConstraint.regex(REGEX), max_tokens=200)
     first = engine.submit("structured-dup", prompts(1, 5, 10, seed=8)[0], params)
-    with pytest.raises(Exception):
+    with pytest.raises(RequestError):
         engine.submit("structured-dup", prompts(1, 5, 10, seed=8)[0], params)     # the id is in flight
     first.abort()
     assert _wait_until(lambda: engine.grammars.num_live == 0)
@@ -153,3 +161,65 @@ def test_preemption_keeps_each_matchers_state(model):
     assert [r[0] for r in results] == [r[0] for r in reference]
     for i in range(1, len(batch), 2):
         assert re.fullmatch(regex, results[i][1]) and results[i][2] is FinishReason.STOP
+
+
+def test_eos_is_allowed_only_where_the_grammar_may_end():
+    tokenizer = Tokenizer.build(512)
+    compiler = GrammarCompiler(tokenizer, 512)
+    matcher = compiler.matcher(OutputConstraint.regex("[a-z]{3,}"))
+    eos = tokenizer.eos_token_id
+
+    def eos_allowed() -> bool:
+        bitmask = torch.from_numpy(compiler.fill_bitmask([matcher]))
+        return not forbidden_tokens(bitmask, 512, torch.device("cpu"))[0, eos].item()
+
+    assert not eos_allowed()
+    for token in tokenizer.encode("ab"):
+        assert matcher.accept(token)
+    assert not eos_allowed() and not matcher.accepting
+    assert matcher.accept(tokenizer.encode("c")[0])
+    assert eos_allowed() and matcher.accepting and not matcher.terminated
+    assert matcher.accept(eos) and matcher.terminated
+    matcher.close()
+    assert compiler.num_live == 0
+
+
+def test_masks_land_on_their_own_rows_across_data_parallel_ranks(monkeypatch):
+    """Two data-parallel ranks (one process stands for both, as in test_loop_partitions): the logits come back in
+    rank order, and each constrained request's mask must fall on its own row. Every request follows a script; the
+    constrained ones' scripts spell their one choice, so a mask on the wrong row would force an unconstrained
+    request off its script (the scripted runner fails the step) or leave a constrained one unfinished."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "device.count=2", "max_model_len=64",
+                              "parallel.data_parallel_size=2", "kv_cache.num_slots_override=4", "max_num_seqs=8",
+                              "enable_prefix_caching=false"])
+    runner = PartitionedScriptedRunner(rc.model)
+    monkeypatch.setattr(engine_loop, "start_ranks", lambda rc, backend, _runner: engine_loop.launch(rc, backend))
+    engine = HookedEngine(rc, runner)
+    runner.engine = engine
+    engine.start()
+    try:
+        words = ["sunny", "light rain", "frost", "cold"]
+        handles = {}
+        for i in range(8):
+            rid, prompt = f"r{i}", [3 + i, 40 + i]
+            if i % 2:
+                word = words[i // 2]
+                runner.script(rid, prompt, engine.tokenizer.encode(word))
+                params = SamplingParams(max_tokens=12, constraint=OutputConstraint.choice([word]))
+            else:
+                runner.script(rid, prompt, [(50 + 7 * i + k) % 500 + 5 for k in range(6)])
+                params = SamplingParams(max_tokens=6, ignore_eos=True)
+            handles[rid] = (engine.submit(rid, prompt, params), params)
+        for rid, (handle, params) in handles.items():
+            deltas = list(handle)
+            assert deltas[-1].error is None, deltas[-1]
+            if params.constraint is not None:
+                assert "".join(d.new_text for d in deltas) == params.constraint.choices[0]
+                assert deltas[-1].finish_reason is FinishReason.STOP
+            else:
+                assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert engine.grammars.num_live == 0
+    finally:
+        engine.shutdown()
+    ranks = [{rid for rid, _ in batch} for step in runner.rank_batches for batch in step]
+    assert set().union(*ranks[0::2]) and set().union(*ranks[1::2])          # requests on both ranks

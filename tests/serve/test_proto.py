@@ -76,7 +76,7 @@ def test_contract_of_design_section_5():
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["prompt"].fields] == ["text", "token_ids"]
     assert {"request_id", "sampling"} <= _fields(pb.GenerateRequest)
     assert {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "logprobs", "prompt_logprobs"} == _fields(pb.SamplingParams)
+            "ignore_eos", "logprobs", "prompt_logprobs", "constraint"} == _fields(pb.SamplingParams)
     assert pb.SamplingParams.DESCRIPTOR.fields_by_name["seed"].has_presence
     assert {"request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_token_ids",
             "prompt_logprobs"} == _fields(pb.GenerateResponse)
