@@ -8,6 +8,7 @@ registry (appliance.core.archs).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
+from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP
 from appliance.core.config import (
     BenchSettings,
+    SpeculativeSettings,
     DeviceSettings,
     KvCacheSettings,
     Layout,
@@ -171,6 +174,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
     _check_top_level(checker, cfg)
     auth_token = _check_auth_token(checker, cfg.server)
     _check_layout(checker, cfg.model)
+    _check_speculative(checker, cfg)
     groups = _derive_cache_groups(checker, cfg)
     if checker.issues:
         raise ConfigError(checker.issues)
@@ -199,6 +203,7 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         kv_cache=freeze(KvCacheSettings, plain["kv_cache"]),
         plan=freeze(PlanSettings, plain["plan"]),
         bench=freeze(BenchSettings, plain["bench"]),
+        speculative=freeze(SpeculativeSettings, plain["speculative"]),
         logging=freeze(LoggingSettings, plain["logging"]),
         npu_memory_utilization=float(cfg.npu_memory_utilization),
         decode_batch=cfg.decode_batch,
@@ -210,6 +215,41 @@ def compose_runtime_config(cfg: DictConfig) -> RuntimeConfig:
         seed=cfg.seed,
         resolved_yaml=OmegaConf.to_yaml(redact(hydra_free)),
     )
+
+
+SPECULATIVE_METHODS = ("mtp",)
+MAX_DRAFT_TOKENS = 3
+
+
+def _check_speculative(c: _Checker, cfg: DictConfig) -> None:
+    """speculative.method: null (off) or mtp (DeepSeek V4's MTP layer drafts); num_tokens drafted per row 1..3."""
+    spec, lay = cfg.speculative, cfg.model.layout
+    c.check(isinstance(spec.num_tokens, int) and 1 <= spec.num_tokens <= MAX_DRAFT_TOKENS, "speculative.num_tokens",
+            spec.num_tokens, f"must be an integer in [1, {MAX_DRAFT_TOKENS}] (tokens drafted per decode row)")
+    if spec.method is None:
+        return
+    if not c.check(spec.method in SPECULATIVE_METHODS, "speculative.method", spec.method,
+                   f"must be null (off) or one of {list(SPECULATIVE_METHODS)}"):
+        return
+    if not c.check(cfg.model.arch == "deepseek_v4" and isinstance(lay.num_mtp_layers, int) and lay.num_mtp_layers > 0,
+                   "speculative.method", spec.method,
+                   f"mtp drafts with the model's MTP layer: model {cfg.model.name} (arch {cfg.model.arch}, "
+                   f"num_mtp_layers {lay.num_mtp_layers}) has none; set speculative.method=null"):
+        return
+    count = cfg.device.count if isinstance(cfg.device.count, int) else 1
+    c.check(count == 1 or cfg.device.get("offline", False), "speculative.method", spec.method,
+            f"mtp runs on one rank for now (device.count is {count}); use device.count=1 or speculative.method=null")
+
+
+def _mtp_window_group(ori: CacheGroupSpec, lay: DictConfig, draft_tokens: int) -> CacheGroupSpec:
+    """The MTP layers' sliding-window rows: a ring like `ori` over the MTP layers, which attend through the window
+    only. A group of its own, so that speculation off keeps `ori` as released. Its span reaches draft_tokens + 1
+    tokens further back than the window: a step writes the MTP rows of the tokens the previous one accepted,
+    the first of them up to draft_tokens + 1 positions before the first token it computes (npu/dsv4/mtp.py)."""
+    mtp_layers = tuple(range(lay.num_layers, lay.num_layers + lay.num_mtp_layers))
+    span = ori.ring_span_tokens + draft_tokens + 1
+    return dataclasses.replace(ori, name=MTP_WINDOW_GROUP, layer_ids=mtp_layers, ring_span_tokens=span,
+                               max_blocks_per_seq=ring_blocks(span, lay.tokens_in_flight, ori.tokens_per_page, False))
 
 
 def _check_top_level(c: _Checker, cfg: DictConfig) -> None:
@@ -442,6 +482,8 @@ def _derive_cache_groups(c: _Checker, cfg: DictConfig) -> tuple[CacheGroupSpec, 
             tokens_per_row=group.tokens_per_row, row_dtype=group.row.dtype, row_width=group.row.width,
             row_extra_bytes=group.row.extra_bytes, history=group.history, max_blocks_per_seq=max_blocks, **ring,
         ))
+    if cfg.speculative.method == "mtp" and specs and specs[0].name == "ori" and not c.issues:
+        specs.append(_mtp_window_group(specs[0], lay, cfg.speculative.num_tokens))
     return tuple(specs)
 
 

@@ -161,6 +161,12 @@ class BenchConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    method: Optional[str] = None
+    num_tokens: int = 1
+
+
+@dataclass
 class ApplianceConfig:
     mode: str = MISSING
     default_model: str = MISSING
@@ -179,6 +185,7 @@ class ApplianceConfig:
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

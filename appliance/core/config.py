@@ -137,6 +137,19 @@ class BenchSettings:
     seed: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeSettings:
+    """Speculative decoding: `mtp` drafts num_tokens tokens per decode row with the model's MTP layer, the main
+    model verifies them all in one step (README "Speculative decoding"); None = off."""
+    method: str | None = None
+    num_tokens: int = 1
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens drafted per decode row: num_tokens when on, 0 when off."""
+        return self.num_tokens if self.method is not None else 0
+
+
 def freeze(cls: type, values: dict[str, Any]) -> Any:
     """A frozen settings object from a plain dict (lists become tuples); unknown keys are an error."""
     known = {f.name for f in fields(cls)}
@@ -193,6 +206,7 @@ class RuntimeConfig:
     enable_prefix_caching: bool
     seed: int
     resolved_yaml: str               # the composed config, as YAML, for reports
+    speculative: SpeculativeSettings = SpeculativeSettings()
 
     @property
     def block_size(self) -> int:

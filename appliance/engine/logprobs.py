@@ -55,6 +55,28 @@ def logits_rows(steps: list[tuple[Sequence, SeqStep]]) -> LogitsRows:
     return LogitsRows(sample_rows, prompt_rows)
 
 
+@dataclass(frozen=True)
+class VerifyRows:
+    """A verifying decode row's logits: its K + 1 target rows from `first`, its drafter rows from first_draft (in the
+    rows a runner appends after the step's, npu.step.draft_rows)."""
+    seq: Sequence
+    first: int
+    first_draft: int
+    num_draft: int
+
+
+def verify_rows(steps: list[tuple[Sequence, SeqStep]], rows: LogitsRows) -> list[VerifyRows]:
+    """Where each verifying row's target and drafter logits are, in step order."""
+    out, at, drafted = [], 0, 0
+    for seq, step in steps:
+        n = len(logits_offsets(step))
+        if step.num_draft:
+            out.append(VerifyRows(seq, at, drafted, step.num_draft))
+            drafted += step.num_draft
+        at += n
+    return out
+
+
 def add_prompt_logprobs(logits: torch.Tensor, rows: LogitsRows) -> None:
     """Append each sequence's newly computed prompt logprobs (one batched call over all their rows)."""
     if not rows.prompt_rows:

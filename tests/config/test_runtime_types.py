@@ -19,6 +19,7 @@ PAIRS = [
     (schema.KvCacheConfig, core.KvCacheSettings),
     (schema.PlanConfig, core.PlanSettings),
     (schema.BenchConfig, core.BenchSettings),
+    (schema.SpeculativeConfig, core.SpeculativeSettings),
 ]
 
 

@@ -18,6 +18,8 @@ from appliance.core.errors import ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
+# The MTP layers' sliding-window rows, a group of their own that exists only with speculative.method=mtp.
+MTP_WINDOW_GROUP = "mtp"
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 HF_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
