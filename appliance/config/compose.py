@@ -23,7 +23,6 @@ from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_para
 from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP
 from appliance.core.config import (
     BenchSettings,
-    SpeculativeSettings,
     DeviceSettings,
     KvCacheSettings,
     Layout,
@@ -33,6 +32,7 @@ from appliance.core.config import (
     PlanSettings,
     RuntimeConfig,
     ServerSettings,
+    SpeculativeSettings,
     freeze,
 )
 from appliance.core.errors import ConfigError, ConfigIssue
