@@ -159,13 +159,14 @@ class Attention:
 
         Ties (rows scoring exactly alike: every head's relu is 0) are broken as transformers breaks them: by
         torch.topk over the same row of scores, a sequence's compressed rows 0 .. T - 1 with the invisible ones
-        at -inf, T = max(prompt length, step end) // ratio (what a one-step prefill of the prompt, then one
-        decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
+        at -inf, T = the query's ranked_end // ratio (paging.QueryGroup: what a one-step prefill of the prompt,
+        then one decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
         length and values only (not on batching), so chunking, batching and preemption never change it. Only
         sequences with a tie at the k-th score need that call; the others' picks come from one call per group."""
         di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
         visible = group.visible[ratio]
-        lengths = (group.ranked_end // ratio).tolist()                                      # T per sequence
+        ranked = group.ranked_end // ratio                                                 # [S, Q] T per query
+        lengths = ranked.flatten().tolist()
         k = min(topk, max(lengths, default=0))
         if k == 0:
             return None
@@ -179,10 +180,11 @@ class Attention:
         order = top.indices[..., :k]                              # are the same set under any tie rule unless the
         if k < width:                                             # k-th and the (k + 1)-th score are equal
             kth = top.values[..., k - 1]
-            tied = ((kth == top.values[..., k]) & (kth > float("-inf"))).any(dim=1).tolist()     # per sequence
-            for length in {n for n, t in zip(lengths, tied) if t}:     # then: transformers' call, on its row
-                seqs = [i for i, (n, t) in enumerate(zip(lengths, tied)) if t and n == length]
-                order[seqs] = score[seqs, :, :length].topk(k, dim=-1).indices        # (length > k: it is tied)
+            tied = (kth == top.values[..., k]) & (kth > float("-inf"))                          # [S, Q]
+            if bool(tied.any()):                                  # then: transformers' call, on the query's row
+                for length in set(ranked[tied].tolist()):
+                    s_at, q_at = (tied & (ranked == length)).nonzero(as_tuple=True)
+                    order[s_at, q_at] = score[s_at, q_at, :length].topk(k, dim=-1).indices   # (length > k: tied)
         ok = score.gather(-1, order) > float("-inf")
         where = group.keys[self.kinds[ratio].outputs[0]]                                   # [S, Kc]
         inside = order.clamp(max=where.page.shape[1] - 1)                  # rows past Kc are -inf: not ok

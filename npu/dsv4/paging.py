@@ -44,7 +44,9 @@ class QueryGroup:
     window_mask: torch.Tensor                                          # [S, Q, Kw] query sees window key
     visible: dict[int, torch.Tensor] = field(default_factory=dict)     # ratio -> [S, Q, Kc]
     keys: dict[str, Rows] = field(default_factory=dict)                # group -> key rows: ori [S, Kw], others [S, Kc]
-    # [S] tokens whose compressed rows the indexer ranks over: max(prompt length, step end), see Attention._index
+    # [S, Q] tokens whose compressed rows the indexer ranks a query's picks over, see Attention._index: a prompt
+    # token's, the prompt's length (the step's end when not known); a later token's, its position + 1 (what one
+    # -token decoding ranks over: so verifying drafts, or recomputing after preemption, ranks as decoding did)
     ranked_end: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
@@ -146,7 +148,8 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
     lens = torch.tensor([len(s.token_ids) for s in seqs])
     starts = torch.tensor([s.start_pos for s in seqs])
     ends = starts + lens
-    ranked_end = torch.maximum(ends, torch.tensor([s.prompt_len for s in seqs]))
+    prompt_lens = torch.tensor([s.prompt_len for s in seqs])
+    prompt_ends = torch.where(prompt_lens > 0, prompt_lens, ends)
     last = torch.cumsum(lens, 0) - 1                                      # flat index of each sequence's last token
     tok_seq = torch.repeat_interleave(torch.arange(S), lens)
     pos = starts[tok_seq] + torch.arange(len(tok_seq)) - (last + 1 - lens)[tok_seq]
@@ -189,7 +192,8 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
         kvalid = (kpos >= 0) & (kpos < g_ends[:, None])
         dist = qpos[:, :, None] - kpos[:, None, :]
         group = QueryGroup(int(last[members[0]]) + 1 - q_len, len(members), q_len,
-                           kvalid[:, None, :] & (dist >= 0) & (dist < W), ranked_end=ranked_end[members])
+                           kvalid[:, None, :] & (dist >= 0) & (dist < W),
+                           ranked_end=torch.maximum(qpos + 1, prompt_ends[members][:, None]))
         group.keys["ori"] = at(window, members[:, None].expand_as(kpos), kpos, kvalid)
         for kind in kinds:
             # compressed rows 0 .. end // r - 1, visible once their window has ended

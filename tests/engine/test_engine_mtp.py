@@ -119,3 +119,22 @@ def test_mtp_layer_drafts_without_the_script_keep_greedy_output():
         stats = app.engine.stats()
     assert [r.token_ids for r in results] == expected
     assert stats.spec_proposed > 0
+
+
+def test_greedy_speculation_with_tied_indexer_scores(monkeypatch, scripted_drafter):
+    """An indexer whose queries are zero scores every visible CSA row alike: which rows a query attends is the tie
+    rule's alone. A verified position must rank over the rows one-token decoding ranks over at that position
+    (not over the rows the verify step's last position sees)."""
+    random_weights = DeepseekV4Runner.random_weights
+
+    def tied(self, seed, std=0.02, device=None):
+        state = random_weights(self, seed, std, device)
+        return {k: torch.zeros_like(v) if k.endswith("attn.indexer.wq_b.weight") else v for k, v in state.items()}
+
+    monkeypatch.setattr(DeepseekV4Runner, "random_weights", tied)
+    batch = prompts(4, 20, 60, seed=13)
+    expected = reference(batch)
+    scripted_drafter(batch, expected)
+    with Appliance.from_config(BASE + speculative(3)) as app:
+        results = app.generate(batch, GREEDY)
+    assert [r.token_ids for r in results] == expected
