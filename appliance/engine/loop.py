@@ -374,13 +374,9 @@ class Engine:
         out: list[tuple[ScheduledSeq, list[int], list[TokenLogprob | None]]] = [
             (s, *(emitted[id(s.seq)] if s.num_draft else sampled[id(s)])) for s in samplers]
         for s in scheduled:
-            if s.num_draft:
-                accepted = emitted[id(s.seq)][0][:-1]        # the drafts kept: their KV is written
-                s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
-                kv.commit(s.seq.request_id, s.seq.num_computed_tokens, s.seq.token_ids + accepted)
-            else:
-                s.seq.num_computed_tokens += s.num_new_tokens
-                kv.commit(s.seq.request_id, s.seq.num_computed_tokens)
+            accepted = emitted[id(s.seq)][0][:-1] if s.num_draft else []     # drafts kept: their KV is written
+            s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
+            kv.commit(s.seq.request_id, s.seq.num_computed_tokens, s.seq.token_ids + accepted if accepted else None)
         self._record_tokens([s.seq for s in samplers], sum(len(new) for _, new, _ in out))
         self._record_speculation(scheduled, out)
         finished = []
@@ -395,6 +391,9 @@ class Engine:
                 ) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
         """Each verifying row's emitted tokens (the accepted drafts and one more, npu/speculative.py) and their
         logprobs when asked, by id of its sequence. A draft is the argmax of its drafter row."""
+        sampler = self._sampler
+        if not isinstance(sampler, Sampler):
+            raise RuntimeError("the engine has not started: no sampler")
         out: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
         for v in verified:
             target = logits[v.first:v.first + v.num_draft + 1]
@@ -403,7 +402,7 @@ class Engine:
             if params.greedy:
                 tokens = verify_greedy(greedy_ids(target), drafts)
             else:
-                gen = self._sampler.generator(v.seq.request_id, params)
+                gen = sampler.generator(v.seq.request_id, params)
                 tokens = rejection_sample(target_probs(target, params), drafts, None, gen)
             logprobs: list[TokenLogprob | None] = [None] * len(tokens)
             if params.logprobs is not None:
