@@ -177,13 +177,14 @@ class DeepseekV4Runner(ModelRunner):
         lay = self.model.layout
         if not batch.seqs:
             if self.expert_parallel is not None:
-                self._serve_experts_only()
+                self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         self.steps += 1
         drafted: list[torch.Tensor] = []
         seqs = batch.seqs
-        if any(s.num_draft for s in seqs):
-            seqs, drafted = self._draft(seqs, batch.worst_case)
+        passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
+        if passes:
+            seqs, drafted = self._draft(seqs, passes, batch.worst_case)
         plan = build_plan(self.model, StepBatch(seqs, batch.new_pages, batch.worst_case), list(self.kinds.values()),
                           self.device)
         x = self.weight("embed.weight")[plan.token_ids]
@@ -212,6 +213,9 @@ class DeepseekV4Runner(ModelRunner):
         main streams at those rows (hidden[k]: [len(seqs[k].token_ids), hc, D]); (logits, output streams) of
         each sequence's last row, in order. Later MTP layers are not run: the first one chains (as vLLM does)."""
         lay, w, p = self.model.layout, self.weight, "mtp.0."
+        if not seqs:                                    # nothing of this rank's: still serve the expert exchange
+            self._mtp_experts_only()
+            return torch.empty(0, lay.vocab_size, device=self.device), torch.empty(0, device=self.device)
         plan = build_plan(self.model, StepBatch(seqs, worst_case=worst_case), [], self.device,
                           window=MTP_WINDOW_GROUP)
         h = torch.cat([hidden[i] for i in flat_order(seqs)])
@@ -222,7 +226,7 @@ class DeepseekV4Runner(ModelRunner):
         last = streams[plan.sample_index]
         return self._head(last, p, p + "norm.weight"), last
 
-    def _draft(self, seqs: list[SeqStep], worst_case: bool) -> tuple[list[SeqStep], list[torch.Tensor]]:
+    def _draft(self, seqs: list[SeqStep], passes: int, worst_case: bool) -> tuple[list[SeqStep], list[torch.Tensor]]:
         """Each verifying row's drafts: the MTP layer catches up on the row's committed tokens (its last row
         drafts the first token), then chains one row per further draft. Returns the step's rows with the drafts
         appended (verified with every position's logits) and the drafter's logits of each drafting row's
@@ -248,7 +252,7 @@ class DeepseekV4Runner(ModelRunner):
             hidden.append(h)
         drafts: list[list[int]] = [[] for _ in spec]
         logits: list[list[torch.Tensor]] = [[] for _ in spec]
-        for k in range(max(s.num_draft for s in spec)):
+        for k in range(passes):
             live = [i for i, s in enumerate(spec) if s.num_draft > k]
             out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case)
             for j, (i, token) in enumerate(zip(live, greedy_ids(out))):
@@ -286,7 +290,7 @@ class DeepseekV4Runner(ModelRunner):
                 hidden.append(h[:-1])
             end = s.start_pos + len(s.token_ids)
             kept.append((s.request_id, MtpHistory(end - 1, (s.token_ids[-1],), h[-1:].clone(), end - 1, self.steps)))
-        if rows:
+        if rows or self.expert_parallel is not None:        # every expert-parallel rank joins the pass
             self._mtp_pass(rows, hidden, worst_case)
         self.mtp_history.update(kept)
         if worst_case:
@@ -295,10 +299,21 @@ class DeepseekV4Runner(ModelRunner):
             del self.mtp_history[rid]
 
     @torch.inference_mode()
-    def _serve_experts_only(self) -> None:
+    def _serve_experts_only(self, draft_passes: int = 0) -> None:
         """A step with no sequences on this rank: its routed experts still serve the other ranks' tokens, so it
-        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep)."""
+        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep),
+        and with speculation the MTP layer's: each drafting pass, then the prefill catch-up pass."""
         x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        for _ in range(draft_passes):
+            self._mtp_experts_only()
         for layer in range(len(self.ratios)):
             self._moe(layer, x, no_tokens, worst_case=False)
+        if self.drafts:
+            self._mtp_experts_only()
+
+    def _mtp_experts_only(self) -> None:
+        """The MTP layer's expert exchange with no tokens of this rank's."""
+        x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
+        self._moe(self.model.layout.num_layers, x, torch.zeros(0, dtype=torch.long, device=self.device), False,
+                  "mtp.0.")

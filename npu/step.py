@@ -52,3 +52,6 @@ class StepBatch:
     # A startup profiling step (ModelRunner.scratch_batch): the runner takes the heaviest branch of every
     # data-dependent choice (an MoE routes every token to the same experts), so its peak bounds real steps.
     worst_case: bool = False
+    # Speculative decoding: drafting passes of the MTP layer this step, the most drafts any row of ANY data-parallel
+    # rank verifies (expert-parallel ranks join each pass's expert exchange in lockstep, with or without rows).
+    draft_passes: int = 0

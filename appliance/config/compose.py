@@ -231,14 +231,10 @@ def _check_speculative(c: _Checker, cfg: DictConfig) -> None:
     if not c.check(spec.method in SPECULATIVE_METHODS, "speculative.method", spec.method,
                    f"must be null (off) or one of {list(SPECULATIVE_METHODS)}"):
         return
-    if not c.check(cfg.model.arch == "deepseek_v4" and isinstance(lay.num_mtp_layers, int) and lay.num_mtp_layers > 0,
-                   "speculative.method", spec.method,
-                   f"mtp drafts with the model's MTP layer: model {cfg.model.name} (arch {cfg.model.arch}, "
-                   f"num_mtp_layers {lay.num_mtp_layers}) has none; set speculative.method=null"):
-        return
-    count = cfg.device.count if isinstance(cfg.device.count, int) else 1
-    c.check(count == 1 or cfg.device.get("offline", False), "speculative.method", spec.method,
-            f"mtp runs on one rank for now (device.count is {count}); use device.count=1 or speculative.method=null")
+    c.check(cfg.model.arch == "deepseek_v4" and isinstance(lay.num_mtp_layers, int) and lay.num_mtp_layers > 0,
+            "speculative.method", spec.method,
+            f"mtp drafts with the model's MTP layer: model {cfg.model.name} (arch {cfg.model.arch}, "
+            f"num_mtp_layers {lay.num_mtp_layers}) has none; set speculative.method=null")
 
 
 def _mtp_window_group(ori: CacheGroupSpec, lay: DictConfig, draft_tokens: int) -> CacheGroupSpec:

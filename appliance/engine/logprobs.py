@@ -13,7 +13,7 @@ import torch
 
 from appliance.engine.sequence import Sequence
 from npu.sampler import token_logprobs
-from npu.step import SeqStep, logits_offsets
+from npu.step import SeqStep, StepBatch, draft_rows, logits_offsets
 
 
 def wants_prompt_logits(seq: Sequence, start: int, num_tokens: int) -> bool:
@@ -75,6 +75,19 @@ def verify_rows(steps: list[tuple[Sequence, SeqStep]], rows: LogitsRows) -> list
             drafted += step.num_draft
         at += n
     return out
+
+
+def split_draft_rows(logits: torch.Tensor, batches: list[StepBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's logits rows, its drafter rows), each in step order: a runner returns each batch's rows, then
+    that batch's drafter rows (npu.step.draft_rows), batch after batch (one per data-parallel rank)."""
+    main, drafted, at = [], [], 0
+    for batch in batches:
+        n = sum(len(logits_offsets(s)) for s in batch.seqs)
+        d = draft_rows(batch.seqs)
+        main.append(logits[at:at + n])
+        drafted.append(logits[at + n:at + n + d])
+        at += n + d
+    return torch.cat(main), torch.cat(drafted)
 
 
 def add_prompt_logprobs(logits: torch.Tensor, rows: LogitsRows) -> None:

@@ -38,6 +38,7 @@ from appliance.engine.logprobs import (
     add_prompt_logprobs,
     logits_rows,
     sampled_logprobs,
+    split_draft_rows,
     verify_rows,
     wants_prompt_logits,
 )
@@ -50,7 +51,7 @@ from npu.device_group import RanksLostError, start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
 from npu.sampler import Sampler, greedy_ids, token_logprobs
 from npu.speculative import rejection_sample, target_probs, verify_greedy
-from npu.step import SeqStep, StepBatch, draft_rows
+from npu.step import SeqStep, StepBatch
 
 log = logging.getLogger("appliance.engine.loop")
 
@@ -349,6 +350,8 @@ class Engine:
                            prompt_len=s.seq.num_prompt_tokens, num_draft=s.num_draft)
             batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(step)
             steps.append((s.seq, step))
+        for batch in batches:
+            batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
         if kv.num_partitions > 1:
             logits = self._runner.execute_partitions(batches)
         else:
@@ -357,7 +360,7 @@ class Engine:
         verified = verify_rows(steps, rows)
         emitted: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
         if verified:
-            drafted = logits[len(logits) - draft_rows([step for _, step in steps]):]
+            logits, drafted = split_draft_rows(logits, batches)
             emitted = self._verify(logits, drafted, verified)
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)

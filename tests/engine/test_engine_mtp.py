@@ -138,3 +138,20 @@ def test_greedy_speculation_with_tied_indexer_scores(monkeypatch, scripted_draft
     with Appliance.from_config(BASE + speculative(3)) as app:
         results = app.generate(batch, GREEDY)
     assert [r.token_ids for r in results] == expected
+
+
+DP2_EP2 = ["device.count=2", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
+           "parallel.startup_timeout_s=120"]
+
+
+def test_greedy_speculation_on_data_2_expert_2(scripted_drafter):
+    """Both data ranks hold sequences and every step's MTP passes run their expert exchange in lockstep, also on a
+    rank with no verifying row. Rank 0 (this process) drafts from the script, rank 1 with the MTP layer itself."""
+    batch = prompts(6, 1, 60, seed=17)
+    expected = reference(batch)
+    scripted_drafter(batch, expected)
+    with Appliance.from_config(BASE + DP2_EP2 + speculative(2)) as app:
+        results = app.generate(batch, GREEDY)
+        stats = app.engine.stats()
+    assert [r.token_ids for r in results] == expected
+    assert 0 < stats.spec_accepted < stats.spec_proposed
