@@ -155,3 +155,36 @@ def test_greedy_speculation_on_data_2_expert_2(scripted_drafter):
         stats = app.engine.stats()
     assert [r.token_ids for r in results] == expected
     assert 0 < stats.spec_accepted < stats.spec_proposed
+
+
+def test_logprobs_of_verified_tokens_are_the_models(scripted_drafter):
+    """Each emitted token's logprob comes from its own verified position: the one-token decoding's, to rounding
+    (the verify step batches K + 1 positions)."""
+    batch = prompts(3, 5, 40, seed=19)
+    asked = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    with Appliance.from_config(BASE) as app:
+        plain = app.generate(batch, asked)
+    scripted_drafter(batch, [r.token_ids for r in plain])
+    with Appliance.from_config(BASE + speculative(3)) as app:
+        spec = app.generate(batch, asked)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    for a, b in zip(spec, plain):
+        assert [lp.token_id for lp in a.logprobs] == b.token_ids
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+        assert [[t for t, _ in lp.top] for lp in a.logprobs] == [[t for t, _ in lp.top] for lp in b.logprobs]
+
+
+def test_sampled_requests_with_speculation_finish_with_valid_tokens(scripted_drafter):
+    """Temperature, top-k and top-p with drafts (rejection sampling in the engine): every request gets its
+    max_tokens tokens, each inside its top-k set, and some drafts are accepted."""
+    batch = prompts(4, 5, 40, seed=23)
+    expected = reference(batch)
+    scripted_drafter(batch, expected)
+    params = SamplingParams(temperature=0.8, top_k=3, max_tokens=24, ignore_eos=True, seed=7, logprobs=3)
+    with Appliance.from_config(BASE + speculative(2)) as app:
+        results = app.generate(batch, params)
+        stats = app.engine.stats()
+    for r in results:
+        assert len(r.token_ids) == 24
+        assert all(lp.token_id in [t for t, _ in lp.top] for lp in r.logprobs)     # drawn from the top 3
+    assert stats.spec_accepted > 0
