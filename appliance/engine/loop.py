@@ -364,7 +364,7 @@ class Engine:
             emitted = self._verify(logits, drafted, verified)
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)
-            logits = logits.index_select(0, torch.tensor(rows.sample_rows, device=logits.device))
+            logits = logits.index_select(0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
         samplers = [s for s in scheduled if s.samples]
         plain = [i for i, s in enumerate(samplers) if not s.num_draft]      # verifying rows sampled in _verify
         if len(plain) < len(samplers):
@@ -380,14 +380,16 @@ class Engine:
             accepted = emitted[id(s.seq)][0][:-1] if s.num_draft else []     # drafts kept: their KV is written
             s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
             kv.commit(s.seq.request_id, s.seq.num_computed_tokens, s.seq.token_ids + accepted if accepted else None)
-        self._record_tokens([s.seq for s in samplers], sum(len(new) for _, new, _ in out))
         self._record_speculation(scheduled, out)
-        finished = []
+        first = {id(s.seq) for s in samplers if not s.seq.output_token_ids}
+        finished, appended = [], 0
         for s, new, new_logprobs in out:
             for token, logprob in zip(new, new_logprobs):
-                if self._append(s.seq, token, logprob):
+                appended += 1
+                if self._append(s.seq, token, logprob):      # a stop among accepted drafts ends the row there
                     finished.append(s.seq)
                     break
+        self._record_tokens([s.seq for s in samplers], first, appended)
         return finished
 
     def _verify(self, logits: torch.Tensor, drafted: torch.Tensor, verified: list[VerifyRows]
@@ -415,20 +417,22 @@ class Engine:
 
     def _record_speculation(self, scheduled: list[ScheduledSeq],
                             out: list[tuple[ScheduledSeq, list[int], list[TokenLogprob | None]]]) -> None:
-        """Drafts proposed and accepted by position (1-based) this step, for Stats and /metrics."""
+        """Drafts proposed and accepted (a prefix of them) by each verifying row this step, for Stats and /metrics."""
         proposed = [s.num_draft for s in scheduled if s.num_draft]
         if proposed:
             accepted = [len(new) - 1 for s, new, _ in out if s.num_draft]
             self._stats.record_speculation(proposed, accepted)
 
-    def _record_tokens(self, seqs: list[Sequence], num_tokens: int) -> None:
-        """Count the num_tokens this step samples for `seqs` and their latencies (before they are appended)."""
+    def _record_tokens(self, seqs: list[Sequence], first: set[int], num_tokens: int) -> None:
+        """Count the num_tokens this step appended for `seqs` (ids in `first`: their first tokens) and their
+        latencies: one gap per sequence and step, however many tokens a verifying row emitted."""
         now = time.monotonic()
-        first = [seq for seq in seqs if not seq.output_token_ids]
+        starting = [seq for seq in seqs if id(seq) in first]
         self._stats.record_step(
-            prompt_tokens=sum(seq.num_prompt_tokens for seq in first),
-            first_token_latencies=[now - seq.arrival_time for seq in first],
-            inter_token_latencies=[now - seq.last_token_time for seq in seqs if seq.output_token_ids],
+            prompt_tokens=sum(seq.num_prompt_tokens for seq in starting),
+            first_token_latencies=[now - seq.arrival_time for seq in starting],
+            inter_token_latencies=[now - seq.last_token_time for seq in seqs
+                                   if id(seq) not in first and seq.last_token_time is not None],
             generation_tokens=num_tokens)
         for seq in seqs:
             seq.last_token_time = now
