@@ -4,13 +4,15 @@
 Random weights make the MTP layer propose tokens the main model never accepts, so speculation can only cost
 there. This script builds a tiny checkpoint whose MTP layer has learnt to draft: a few CPU minutes.
 
-1. The main model: the embedded tiny DeepSeek V4 (conf/model/dsv4_tiny.yaml) with seeded random weights
-   (std --std), saved as a checkpoint with the released tensor names.
+1. The main model: the embedded tiny DeepSeek V4 (conf/model/dsv4_tiny.yaml) with seeded random weights (std
+   --std; the defaults, seed 0 and std 0.02, are exactly the embedded default's weights), saved as a checkpoint
+   with the released tensor names.
 2. Data: greedy continuations of random prompts, served by the appliance itself; then every full sequence is
    prefilled once more with speculation on, which hands the MTP drafter the main model's final streams h_i at
    every position (recorded here), and with prompt logprobs, which give the main model's argmax at every
    position. A training row is (h_i, token i + 1) -> the main model's argmax at i + 1 (what row i drafts).
-3. Training (Adam, cross-entropy): the MTP layer's input and output parts (e_proj, h_proj, enorm, hnorm, norm,
+3. Training (Adam, cross-entropy on each row and on the row chained after it from its output streams, as
+   drafts 2 and 3 are drafted): the MTP layer's input and output parts (e_proj, h_proj, enorm, hnorm, norm,
    hc_head_*). Its decoder block is switched off (wo_b and every expert's w2 zero: the block adds nothing, its
    hyper-connection mixing still runs), so the training forward is a few lines of torch that compute what the
    runner computes on those weights. The shared embedding and head stay the main model's.
@@ -58,8 +60,9 @@ def prompts(n: int, seed: int, lo: int = 8, hi: int = 96) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def collect(directory: Path, work: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h [N, hc, D], next token [N], target [N]) for every position i with a known target."""
+def collect(directory: Path, work: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, ...]:
+    """(h [N, hc, D], next token [N], target [N], chained [N]) for every position i with a known target; chained:
+    the row of position i + 1 of the same sequence (-1 at a sequence's end), for training chained drafts."""
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     with Appliance.from_config(BASE + [f"model.weights={directory}"]) as app:
         full = [p + r.token_ids for p, r in zip(work, app.generate(work, greedy))]
@@ -81,18 +84,19 @@ def collect(directory: Path, work: list[list[int]], new_tokens: int) -> tuple[to
             results = app.generate(full, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
     finally:
         DeepseekV4Runner._remember = remember
-    hs, nexts, targets = [], [], []
+    hs, nexts, targets, chained = [], [], [], []
     for seq, r in zip(full, results):
         argmax = [lp.top[0][0] if lp is not None else -1 for lp in r.prompt_logprobs]   # [j]: argmax at j - 1
         for i in range(len(seq) - 2):
             hs.append(streams[r.request_id][i])
             nexts.append(seq[i + 1])
             targets.append(argmax[i + 2])
-    return torch.stack(hs), torch.tensor(nexts), torch.tensor(targets)
+            chained.append(len(hs) if i + 1 < len(seq) - 2 else -1)
+    return torch.stack(hs), torch.tensor(nexts), torch.tensor(targets), torch.tensor(chained)
 
 
-def mtp_logits(p: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], h: torch.Tensor, nxt: torch.Tensor,
-               eps: float, hc_eps: float, iters: int) -> torch.Tensor:
+def mtp_forward(p: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], h: torch.Tensor, nxt: torch.Tensor,
+                eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP layer with its decoder block off (its output is zero): what the runner computes on such weights.
     The hyper-connection mixing weights are taken as constants for the gradient (their Sinkhorn runs in place)."""
     e = rms_norm(fixed["embed.weight"][nxt], p["enorm.weight"], eps)
@@ -103,18 +107,23 @@ def mtp_logits(p: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], h: to
                                    fixed[f"mtp.0.{part}_scale"], iters, hc_eps, eps)
         x = hc_post(torch.zeros_like(y), x, post, comb)
     last = hc_head(x, p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"], hc_eps, eps)
-    return F.linear(rms_norm(last, p["norm.weight"], eps), fixed["head.weight"]).float()
+    return F.linear(rms_norm(last, p["norm.weight"], eps), fixed["head.weight"]).float(), x
+
+
+def mtp_logits(p: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], h: torch.Tensor, nxt: torch.Tensor,
+               eps: float, hc_eps: float, iters: int) -> torch.Tensor:
+    return mtp_forward(p, fixed, h, nxt, eps, hc_eps, iters)[0]
 
 
 def train(state: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...], steps: int, seed: int) -> dict[str, float]:
     lay = load_runtime_config(BASE).model.layout
-    h, nxt, target = data
+    h, nxt, target, chained = data
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(h), generator=g)
     held_out = order[: len(h) // 10]
     train_rows = order[len(h) // 10:]
     p = {k: state[f"mtp.0.{k}"].clone().float().requires_grad_(True) for k in TRAINED}
-    opt = torch.optim.Adam(p.values(), lr=3e-3)
+    opt = torch.optim.Adam(p.values(), lr=5e-3)
     args = (lay.rms_norm_eps, lay.hc_eps, lay.hc_sinkhorn_iters)
 
     def accuracy(rows: torch.Tensor) -> float:
@@ -124,7 +133,12 @@ def train(state: dict[str, torch.Tensor], data: tuple[torch.Tensor, ...], steps:
     before = accuracy(held_out)
     for step in range(steps):
         batch = train_rows[torch.randint(len(train_rows), (512,), generator=g)]
-        loss = F.cross_entropy(mtp_logits(p, state, h[batch], nxt[batch], *args), target[batch])
+        logits, out = mtp_forward(p, state, h[batch], nxt[batch], *args)
+        loss = F.cross_entropy(logits, target[batch])
+        # A chained draft: the next row from this row's output streams (as the runner drafts draft 2, 3).
+        on = chained[batch] >= 0
+        after = chained[batch][on]
+        loss = loss + F.cross_entropy(mtp_logits(p, state, out[on], nxt[after], *args), target[after])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -166,8 +180,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--sequences", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--std", type=float, default=0.1)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--std", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bench-only", action="store_true", help="benchmark OUT/distilled as it is")
     ap.add_argument("--batches", default="1,8,32")
