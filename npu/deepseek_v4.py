@@ -26,8 +26,9 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import STATE_GROUPS, compress_ratios
+from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, STATE_GROUPS, compress_ratios
 from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
@@ -35,11 +36,13 @@ from appliance.core.parallel import RankPlace
 from npu.dsv4.attention import Attention, rms_norm
 from npu.dsv4.hyper import hc_head, hc_post, hc_pre
 from npu.dsv4.moe import exchange_experts, route, routed_experts, swiglu
-from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan
+from npu.dsv4.mtp import STALE_STEPS, MtpHistory, catch_up_rows
+from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.dsv4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
-from npu.step import StepBatch
+from npu.sampler import greedy_ids
+from npu.step import SeqStep, StepBatch
 from npu.weights import is_norm_weight
 
 Held = torch.Tensor | QuantizedWeight
@@ -60,6 +63,10 @@ class DeepseekV4Runner(ModelRunner):
             self.hca_ratio: Compression(self.hca_ratio, ("hca_state",), (f"cmp_c{self.hca_ratio}",), overlap=False),
         }
         self.state_groups = STATE_GROUPS
+        # Speculative decoding: the MTP layer's window group exists only with speculative.method=mtp.
+        self.drafts = any(g.name == MTP_WINDOW_GROUP for g in model.cache_groups)
+        self.mtp_history: dict[str, MtpHistory] = {}
+        self.steps = 0
         self.params: dict[str, Held] = {}
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
@@ -116,11 +123,12 @@ class DeepseekV4Runner(ModelRunner):
         return w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w
 
     # -- model -------------------------------------------------------------------------------------
-    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool) -> torch.Tensor:
+    def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool,
+             prefix: str | None = None) -> torch.Tensor:
         """Routed experts plus the shared one. worst_case (a profiling step): every token routes to the same
         num_experts_per_tok experts, the routing whose expert activations are largest (an expert computes
         all N tokens at once; a uniform routing gives each about N k / num_experts)."""
-        lay, w, p = self.model.layout, self.weight, f"layers.{layer}.ffn."
+        lay, w, p = self.model.layout, self.weight, (prefix or f"layers.{layer}.") + "ffn."
         hashed = layer < lay.num_hash_layers
         table, ids = (w(p + "gate.tid2eid"), token_ids) if hashed else (None, None)
         if worst_case:
@@ -144,13 +152,14 @@ class DeepseekV4Runner(ModelRunner):
                       self.weight(prefix + "_scale"), lay.hc_sinkhorn_iters, lay.hc_eps, lay.rms_norm_eps)
 
     def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation],
-               worst_case: bool) -> torch.Tensor:
-        p, eps = f"layers.{layer}.", self.model.layout.rms_norm_eps
+               worst_case: bool, prefix: str | None = None) -> torch.Tensor:
+        """Decoder layer `layer` (main layers, then MTP layers) with its weights under prefix (`layers.L.`)."""
+        p, eps = prefix or f"layers.{layer}.", self.model.layout.rms_norm_eps
         post, comb, x = self._hc(p + "hc_attn", streams)
-        out = self.attention(layer, rms_norm(x, self.weight(p + "attn_norm.weight"), eps), plan, rot)
+        out = self.attention(layer, rms_norm(x, self.weight(p + "attn_norm.weight"), eps), plan, rot, p)
         streams = hc_post(out, streams, post, comb)
         post, comb, x = self._hc(p + "hc_ffn", streams)
-        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids, worst_case)
+        out = self._moe(layer, rms_norm(x, self.weight(p + "ffn_norm.weight"), eps), plan.token_ids, worst_case, p)
         return hc_post(out, streams, post, comb)
 
     # -- steps -------------------------------------------------------------------------------------
@@ -168,25 +177,143 @@ class DeepseekV4Runner(ModelRunner):
         lay = self.model.layout
         if not batch.seqs:
             if self.expert_parallel is not None:
-                self._serve_experts_only()
+                self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
-        plan = build_plan(self.model, batch, list(self.kinds.values()), self.device)
+        self.steps += 1
+        drafted: list[torch.Tensor] = []
+        seqs = batch.seqs
+        passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
+        if passes:
+            seqs, drafted = self._draft(seqs, passes, batch.worst_case)
+        plan = build_plan(self.model, StepBatch(seqs, batch.new_pages, batch.worst_case), list(self.kinds.values()),
+                          self.device)
         x = self.weight("embed.weight")[plan.token_ids]
         streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
         rot = self.attention.rotations(plan)
         for layer in range(len(self.ratios)):
             streams = self._block(layer, streams, plan, rot, batch.worst_case)
-        last = hc_head(streams[plan.sample_index], self.weight("hc_head_fn"), self.weight("hc_head_base"),
-                       self.weight("hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
-        last = rms_norm(last, self.weight("norm.weight"), lay.rms_norm_eps)
-        head = self.weight("embed.weight" if lay.tie_word_embeddings else "head.weight")
+        logits = self._head(streams[plan.sample_index], "", "norm.weight")
+        if self.drafts:
+            self._remember(batch.seqs, seqs, streams, batch.worst_case)
+        return torch.cat([logits, *drafted]) if drafted else logits
+
+    def _head(self, streams: torch.Tensor, hc_prefix: str, norm: str) -> torch.Tensor:
+        """Logits (float32) of final streams [N, hc, D]: hc_head, norm, the shared head."""
+        lay, w = self.model.layout, self.weight
+        last = hc_head(streams, w(hc_prefix + "hc_head_fn"), w(hc_prefix + "hc_head_base"),
+                       w(hc_prefix + "hc_head_scale"), lay.hc_eps, lay.rms_norm_eps)
+        last = rms_norm(last, w(norm), lay.rms_norm_eps)
+        head = w("embed.weight" if lay.tie_word_embeddings else "head.weight")
         return torch.nn.functional.linear(last, head).float()
 
+    # -- MTP drafting (npu/dsv4/mtp.py) ----------------------------------------------------------------
+    def _mtp_pass(self, seqs: list[SeqStep], hidden: list[torch.Tensor], worst_case: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP layer over `seqs` (rows i with their next tokens, as SeqSteps from row start_pos) and the
+        main streams at those rows (hidden[k]: [len(seqs[k].token_ids), hc, D]); (logits, output streams) of
+        each sequence's last row, in order. Later MTP layers are not run: the first one chains (as vLLM does)."""
+        lay, w, p = self.model.layout, self.weight, "mtp.0."
+        if not seqs:                                    # nothing of this rank's: still serve the expert exchange
+            self._mtp_experts_only()
+            return torch.empty(0, lay.vocab_size, device=self.device), torch.empty(0, device=self.device)
+        plan = build_plan(self.model, StepBatch(seqs, worst_case=worst_case), [], self.device,
+                          window=MTP_WINDOW_GROUP)
+        h = torch.cat([hidden[i] for i in flat_order(seqs)])
+        e = rms_norm(w("embed.weight")[plan.token_ids], w(p + "enorm.weight"), lay.rms_norm_eps)
+        x = (F.linear(e, w(p + "e_proj.weight")).unsqueeze(1)
+             + F.linear(rms_norm(h, w(p + "hnorm.weight"), lay.rms_norm_eps), w(p + "h_proj.weight")))
+        streams = self._block(lay.num_layers, x, plan, self.attention.rotations(plan), worst_case, p)
+        last = streams[plan.sample_index]
+        return self._head(last, p, p + "norm.weight"), last
+
+    def _draft(self, seqs: list[SeqStep], passes: int, worst_case: bool) -> tuple[list[SeqStep], list[torch.Tensor]]:
+        """Each verifying row's drafts: the MTP layer catches up on the row's committed tokens (its last row
+        drafts the first token), then chains one row per further draft. Returns the step's rows with the drafts
+        appended (verified with every position's logits) and the drafter's logits of each drafting row's
+        tokens [num_draft, vocab], in batch order."""
+        lay = self.model.layout
+        spec = [s for s in seqs if s.num_draft]
+        zero = lambda n: torch.zeros(n, lay.hc_mult, lay.hidden_size, dtype=self.dtype, device=self.device)  # noqa: E731
+        rows, hidden = [], []
+        for s in spec:
+            if len(s.token_ids) != 1:
+                raise ValueError(f"request {s.request_id!r}: a verifying row computes one token and its drafts, "
+                                 f"got {len(s.token_ids)} tokens")
+            history = self.mtp_history.get(s.request_id)
+            first, nexts, at = catch_up_rows(history, s.start_pos, s.token_ids[0])
+            if worst_case and s.start_pos > 0:              # the profile: the longest catch-up a real step has
+                n = min(s.num_draft + 1, s.start_pos)
+                first, nexts, h = s.start_pos - n, [0] * n, zero(n)
+            elif history is None or not nexts:              # nothing held (a fresh history is written below)
+                first, nexts, h = max(s.start_pos - 1, 0), [s.token_ids[0]], zero(1)
+            else:
+                h = history.hidden[at]
+            rows.append(SeqStep(s.request_id, nexts, first, s.block_tables))
+            hidden.append(h)
+        drafts: list[list[int]] = [[] for _ in spec]
+        logits: list[list[torch.Tensor]] = [[] for _ in spec]
+        for k in range(passes):
+            live = [i for i, s in enumerate(spec) if s.num_draft > k]
+            out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case)
+            for j, (i, token) in enumerate(zip(live, greedy_ids(out))):
+                drafts[i].append(token)
+                logits[i].append(out[j:j + 1])
+                hidden[i] = last[j:j + 1]
+                rows[i] = SeqStep(spec[i].request_id, [token], spec[i].start_pos + k, spec[i].block_tables)
+        by_id = {id(s): i for i, s in enumerate(spec)}
+        verify = [s if not s.num_draft else
+                  SeqStep(s.request_id, s.token_ids + drafts[by_id[id(s)]], s.start_pos, s.block_tables,
+                          prompt_len=s.prompt_len, all_logits=True) for s in seqs]
+        return verify, [torch.cat(logits[i]) for i in range(len(spec))]
+
+    def _remember(self, asked: list[SeqStep], ran: list[SeqStep], streams: torch.Tensor, worst_case: bool) -> None:
+        """Keep each sequence's final main streams for its next drafting; a prefill chunk [s, e) first writes its
+        MTP rows up to e - 2 (row s - 1 from the history, when held)."""
+        offsets, at = {}, 0
+        for i in flat_order(ran):
+            offsets[i] = at
+            at += len(ran[i].token_ids)
+        rows, hidden, kept = [], [], []
+        for i, (a, s) in enumerate(zip(asked, ran)):
+            h = streams[offsets[i]:offsets[i] + len(s.token_ids)]
+            if a.num_draft:
+                self.mtp_history[s.request_id] = MtpHistory(s.start_pos, tuple(s.token_ids), h.clone(), s.start_pos,
+                                                            self.steps)
+                continue
+            history = self.mtp_history.get(s.request_id)
+            before = history.hidden_at(s.start_pos - 1) if history is not None and not worst_case else None
+            if before is not None and history is not None and history.mtp_next <= s.start_pos - 1:
+                rows.append(SeqStep(s.request_id, list(s.token_ids), s.start_pos - 1, s.block_tables))
+                hidden.append(torch.cat([before, h[:-1]]))
+            elif len(s.token_ids) > 1:
+                rows.append(SeqStep(s.request_id, list(s.token_ids[1:]), s.start_pos, s.block_tables))
+                hidden.append(h[:-1])
+            end = s.start_pos + len(s.token_ids)
+            kept.append((s.request_id, MtpHistory(end - 1, (s.token_ids[-1],), h[-1:].clone(), end - 1, self.steps)))
+        if rows or self.expert_parallel is not None:        # every expert-parallel rank joins the pass
+            self._mtp_pass(rows, hidden, worst_case)
+        self.mtp_history.update(kept)
+        if worst_case:
+            self.mtp_history.clear()
+        for rid in [r for r, hist in self.mtp_history.items() if hist.step < self.steps - STALE_STEPS]:
+            del self.mtp_history[rid]
+
     @torch.inference_mode()
-    def _serve_experts_only(self) -> None:
+    def _serve_experts_only(self, draft_passes: int = 0) -> None:
         """A step with no sequences on this rank: its routed experts still serve the other ranks' tokens, so it
-        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep)."""
+        joins every layer's expert exchange with no tokens of its own (expert-parallel ranks step in lockstep),
+        and with speculation the MTP layer's: each drafting pass, then the prefill catch-up pass."""
         x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        for _ in range(draft_passes):
+            self._mtp_experts_only()
         for layer in range(len(self.ratios)):
             self._moe(layer, x, no_tokens, worst_case=False)
+        if self.drafts:
+            self._mtp_experts_only()
+
+    def _mtp_experts_only(self) -> None:
+        """The MTP layer's expert exchange with no tokens of this rank's."""
+        x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
+        self._moe(self.model.layout.num_layers, x, torch.zeros(0, dtype=torch.long, device=self.device), False,
+                  "mtp.0.")

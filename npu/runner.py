@@ -184,5 +184,6 @@ class ModelRunner(ABC):
             for spec in self.cache_specs:
                 pages = spec.max_blocks_per_seq if spec.is_ring else -(-s.end // spec.tokens_per_page)
                 tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
-            seqs.append(SeqStep(f"{step.name}-{i}", [0] * s.num_tokens, s.start_pos, tables))
+            seqs.append(SeqStep(f"{step.name}-{i}", [0] * (s.num_tokens - s.draft_tokens), s.start_pos, tables,
+                                num_draft=s.draft_tokens))
         return StepBatch(seqs, worst_case=True)

@@ -119,6 +119,10 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """The request's generator (created on first use): speculative verification draws from it too."""
+        return self._generator(request_id, params)
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 

@@ -27,15 +27,25 @@ class SeqStep:
     prompt_len: int = 0
     # Logits of every token of this step, not only the last (a request that asked for prompt logprobs).
     all_logits: bool = False
+    # Speculative decoding (a decode row): the runner drafts this many tokens after token_ids (its MTP layer) and
+    # computes them too; its logits rows are then every position's, and the drafts' own logits come after the
+    # batch's rows (see logits_offsets, draft_rows).
+    num_draft: int = 0
 
 
 def logits_offsets(seq: SeqStep) -> range:
     """Which of seq's tokens in this step the runner returns logits for, in order: all of them (all_logits), the
     last (sample), or none. A runner's logits are these rows of every sequence, in batch order."""
-    n = len(seq.token_ids)
-    if seq.all_logits:
+    n = len(seq.token_ids) + seq.num_draft
+    if seq.all_logits or seq.num_draft:
         return range(n)
     return range(n - 1, n) if seq.sample else range(0)
+
+
+def draft_rows(seqs: list[SeqStep]) -> int:
+    """Logits rows a runner appends after the batch's logits_offsets rows: the drafter's logits of each drafted
+    token (num_draft per verifying row, in batch order); a drafted token is the argmax of its row."""
+    return sum(s.num_draft for s in seqs)
 
 
 @dataclass
@@ -47,6 +57,9 @@ class StepBatch:
     # A startup profiling step (ModelRunner.scratch_batch): the runner takes the heaviest branch of every
     # data-dependent choice (an MoE routes every token to the same experts), so its peak bounds real steps.
     worst_case: bool = False
+    # Speculative decoding: drafting passes of the MTP layer this step, the most drafts any row of ANY data-parallel
+    # rank verifies (expert-parallel ranks join each pass's expert exchange in lockstep, with or without rows).
+    draft_passes: int = 0
 
 
 class StepExecutor(Protocol):

@@ -29,7 +29,7 @@ from appliance.core.parallel import place_of, world_size
 from npu.launcher import launch, prepare_rank
 from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, leave_process
 from npu.runner import ModelRunner
-from npu.step import StepBatch, logits_offsets
+from npu.step import StepBatch, draft_rows, logits_offsets
 
 log = logging.getLogger("npu.worker")
 
@@ -45,7 +45,7 @@ def run_step(runner: ModelRunner, group: RankGroup, batches: Sequence[StepBatch]
     logits = runner.execute(batches[group.place.data_rank])
     if group.place.data == 1:
         return logits
-    counts = [sum(len(logits_offsets(s)) for s in b.seqs) for b in batches]
+    counts = [sum(len(logits_offsets(s)) for s in b.seqs) + draft_rows(b.seqs) for b in batches]
     if not any(counts):
         return logits if group.rank == 0 else None
     return group.gather_rows(logits, counts)

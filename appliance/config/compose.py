@@ -21,11 +21,12 @@ from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
+from appliance.core.archs.deepseek_v4 import DeepseekV4Layout, mtp_window_group
 from appliance.core.cache_groups import derive_cache_groups
 from appliance.core.checks import Checker, declared_rule_issues
 from appliance.core.config import Layout, ModelSpec, RuntimeConfig, freeze
 from appliance.core.errors import ConfigError, ConfigIssue
-from appliance.core.kv_cache_spec import CacheGroupSettings
+from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
 from appliance.core.logs import FORMATS, LEVELS
 from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 
@@ -130,11 +131,15 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
     _check_top_level(checker, cfg, layout)
     auth_token = _check_auth_token(checker, cfg.server)
     _check_layout(checker, cfg.model, layout)
+    _check_speculative(checker, cfg, layout)
     model = plain["model"]
-    groups = ()
+    groups: tuple[CacheGroupSpec, ...] = ()
     if layout is not None and not any(i.path.startswith("model.layout") for i in checker.issues):
         declared = tuple(freeze(CacheGroupSettings, g) for g in model["cache_groups"])   # group sizes derive from
         groups = derive_cache_groups(checker, declared, layout, cfg.max_model_len)     # the layout: its errors first
+        if (cfg.speculative.method == "mtp" and isinstance(layout, DeepseekV4Layout) and groups
+                and groups[0].name == "ori" and not checker.issues):
+            groups += (mtp_window_group(groups[0], layout, cfg.speculative.num_tokens),)
     if checker.issues:
         raise ConfigError(checker.issues)
     spec = freeze(ModelSpec, {**model, "layout": layout, "cache_groups": groups})
@@ -151,6 +156,24 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
     runtime: RuntimeConfig = freeze(runtime_type, {**plain, "model": spec, "parallel": parallel,
                                                    "resolved_yaml": resolved_yaml})
     return runtime
+
+
+SPECULATIVE_METHODS = ("mtp",)
+
+
+def _check_speculative(c: Checker, cfg: DictConfig, layout: Layout | None) -> None:
+    """speculative.method: null (off) or mtp (DeepSeek V4's MTP layer drafts; num_tokens is checked where it is
+    declared)."""
+    method = cfg.speculative.method
+    if method is None:
+        return
+    if not c.check(method in SPECULATIVE_METHODS, "speculative.method", method,
+                   f"must be null (off) or one of {list(SPECULATIVE_METHODS)}"):
+        return
+    mtp_layers = layout.num_mtp_layers if isinstance(layout, DeepseekV4Layout) else 0
+    c.check(mtp_layers > 0, "speculative.method", method,
+            f"mtp drafts with the model's MTP layer: model {cfg.model.name} (arch {cfg.model.arch}, "
+            f"num_mtp_layers {mtp_layers}) has none; set speculative.method=null")
 
 
 def field_type(cls: type, name: str) -> Any:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
-from appliance.core.rules import Rule, positive_int
+from appliance.core.rules import Rule, draft_tokens, positive_int
 
 DERIVED = "derived"
 DECLARED_AS = "declared_as"
@@ -179,6 +179,20 @@ def _optional_inner(tp: Any) -> Any:
     return args[0] if len(args) == 1 and len(typing.get_args(tp)) == 2 else tp
 
 
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeSettings:
+    """Speculative decoding: `mtp` drafts num_tokens tokens per decode row with the model's MTP layer, the main
+    model verifies them all in one step (README "Speculative decoding"); None = off. The composer checks the
+    method against the model (appliance.config.compose)."""
+    method: str | None = None
+    num_tokens: int = setting(1, rule=draft_tokens)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens drafted per decode row: num_tokens when on, 0 when off."""
+        return self.num_tokens if self.method is not None else 0
+
+
 def freeze(cls: type, values: dict[str, Any]) -> Any:
     """A frozen settings object from a plain dict, nested sections included (lists become tuples); unknown keys
     are an error. The one conversion from composed YAML to every settings class: a new field needs no code."""
@@ -243,6 +257,7 @@ class RuntimeConfig:
     kv_cache: KvCacheSettings
     plan: PlanSettings
     bench: BenchSettings
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     logging: LoggingSettings
     resolved_yaml: str = derived()         # the composed config, as YAML, for reports
 

@@ -24,3 +24,12 @@ def one_of(*allowed: str) -> Rule:
     def rule(value: Any) -> str | None:
         return None if value in allowed else f"must be one of {list(allowed)}"
     return rule
+
+
+MAX_DRAFT_TOKENS = 3
+
+
+def draft_tokens(value: Any) -> str | None:
+    """speculative.num_tokens: tokens drafted per decode row (more than 3 are rarely accepted, as vLLM's MTP)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DRAFT_TOKENS
+    return None if ok else f"must be an integer in [1, {MAX_DRAFT_TOKENS}] (tokens drafted per decode row)"

@@ -43,11 +43,18 @@ class StepLimits:
     max_chunk: int           # tokens one sequence computes in one step (layout.tokens_in_flight caps it for rings)
     max_context: int         # tokens a sequence holds, this step's included (max_model_len)
     chunk_align: int         # a chunk of 2+ tokens starts at a multiple of this (block_size)
+    draft_tokens: int = 0    # speculative decoding: tokens a decode row verifies after its own (speculative.num_tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens one decode row computes: its token and the drafts it verifies."""
+        return 1 + self.draft_tokens
 
     @property
     def max_sampled_rows(self) -> int:
-        """Logits rows the sampler may get in one step: one per scheduled sequence."""
-        return min(self.max_seqs, self.max_tokens)
+        """Logits rows the sampler may get in one step: one per scheduled sequence, and a verifying decode row's
+        one per position it verifies."""
+        return min(self.max_seqs, self.max_tokens) + self.max_decode_rows * self.draft_tokens
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class SeqShape:
 
     num_tokens: int
     start_pos: int
+    draft_tokens: int = 0    # a verifying decode row: the last draft_tokens of num_tokens are drafted in the step
 
     @property
     def end(self) -> int:
@@ -78,8 +86,10 @@ def step_limits(rc: RuntimeConfig) -> StepLimits:
     chunk = min(in_flight, rc.max_num_batched_tokens) if in_flight else rc.max_num_batched_tokens
     return StepLimits(
         max_tokens=rc.max_num_batched_tokens, max_seqs=rc.max_num_seqs,
-        max_decode_rows=min(rc.decode_batch, rc.max_num_seqs, rc.max_num_batched_tokens),
-        max_chunk=min(chunk, rc.max_model_len), max_context=rc.max_model_len, chunk_align=rc.block_size)
+        max_decode_rows=min(rc.decode_batch, rc.max_num_seqs,
+                            rc.max_num_batched_tokens // (1 + rc.speculative.draft_tokens)),
+        max_chunk=min(chunk, rc.max_model_len), max_context=rc.max_model_len, chunk_align=rc.block_size,
+        draft_tokens=rc.speculative.draft_tokens)
 
 
 def _chunks(tokens: int, chunk: int, count: int) -> list[int]:
@@ -106,7 +116,8 @@ def _at_end(num_tokens: int, limits: StepLimits) -> SeqShape:
 def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
     """The heaviest steps `limits` allow, each within them (see the module docstring); decode gather first."""
     ctx, chunk, rows = limits.max_context, limits.max_chunk, limits.max_decode_rows
-    decode = tuple(SeqShape(1, ctx - 1) for _ in range(rows))
+    decode = tuple(SeqShape(limits.decode_tokens, ctx - limits.decode_tokens, limits.draft_tokens)
+                   for _ in range(rows))
     steps = []
     if decode:
         steps.append(StepShape("decode_gather", decode))
@@ -125,7 +136,7 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
             if num > 1 and (name.startswith("long") or most > fewest):
                 chunks = _equal_chunks(limits.max_tokens, chunk, num)
                 steps.append(StepShape(name, tuple(_at_end(n, limits) for n in chunks)))
-        mixed = _chunks(limits.max_tokens - rows, chunk, limits.max_seqs - rows)
+        mixed = _chunks(limits.max_tokens - rows * limits.decode_tokens, chunk, limits.max_seqs - rows)
         if decode and mixed:
             steps.append(StepShape("decodes_and_chunks", decode + tuple(_at_end(n, limits) for n in mixed)))
     distinct: dict[tuple[tuple[int, int], ...], StepShape] = {}     # by shape, in order of first appearance

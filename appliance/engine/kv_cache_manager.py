@@ -151,14 +151,16 @@ class KvCacheManager:
             raise ValueError(f"request {request_id!r} already holds pages; place is for new requests")
         return self._add_seq(request_id).partition
 
-    def allocate(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int) -> dict[str, list[int]]:
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
+                 num_lookahead: int = 0) -> dict[str, list[int]]:
         """Reserve, in every group at once, the pages for computing the next num_new_tokens tokens.
 
         token_ids is the request's whole sequence so far (prompt + output); the tokens computed next are
         token_ids[num_computed : num_computed + num_new_tokens], where num_computed comes from match_prefix
         and commit (so commit each step before allocating the next). Returns the pages newly assigned per
         group (also queued for take_new_pages). Raises KvCapacityError, with nothing allocated, when any
-        group lacks pages; a request created by this call is then forgotten again.
+        group lacks pages; a request created by this call is then forgotten again. num_lookahead: pages for that
+        many further positions too, whose tokens are not known yet (speculative decoding's drafts).
         """
         self._require_init()
         if num_new_tokens < 0:
@@ -168,16 +170,17 @@ class KvCacheManager:
         if len(token_ids) < len(seq.tokens):      # (never for a created request: it has no tokens yet)
             raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to {len(token_ids)}")
         target = seq.num_computed + num_new_tokens
-        if not created and target <= seq.tokens_covered and target <= len(token_ids):
+        reach = target + max(num_lookahead, 0)
+        if not created and reach <= seq.tokens_covered and target <= len(token_ids):
             # Most decode steps: every group's current page still has room; nothing to assign.
             seq.tokens.extend(token_ids[len(seq.tokens):])
-            seq.num_reserved = max(seq.num_reserved, target)
+            seq.num_reserved = max(seq.num_reserved, reach)
             return {s.name: [] for s in self.specs}
         try:
             if target > len(token_ids):
                 raise ValueError(f"request {request_id!r}: {seq.num_computed} computed + {num_new_tokens} new "
                                  f"tokens exceed the {len(token_ids)} token ids given")
-            demand = self._demand(seq, target)
+            demand = self._demand(seq, reach)
             if any(len(new) > free for new, free in demand.values()):
                 self._raise_capacity(seq, num_new_tokens, demand)
         except Exception:
@@ -191,13 +194,16 @@ class KvCacheManager:
             new = demand[name][0]
             added[name] = table.assign(new) if new else []   # most groups' pages still have room
             queued[name].extend(added[name])
-        seq.num_reserved = max(seq.num_reserved, target)
+        seq.num_reserved = max(seq.num_reserved, reach)
         seq.tokens_covered = min(table.tokens_covered for table in seq.tables.values())
         return added
 
-    def commit(self, request_id: str, num_computed_tokens: int) -> None:
-        """Record that the request's first num_computed_tokens tokens are written; cache newly completed blocks."""
+    def commit(self, request_id: str, num_computed_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Record that the request's first num_computed_tokens tokens are written; cache newly completed blocks.
+        token_ids: the request's tokens when some written ones were not yet known at allocate (accepted drafts)."""
         seq = self._get(request_id)
+        if token_ids is not None:
+            seq.tokens.extend(token_ids[len(seq.tokens):])
         if not seq.num_computed <= num_computed_tokens <= seq.num_reserved:
             raise ValueError(f"request {request_id!r}: num_computed_tokens {num_computed_tokens} must lie between "
                              f"the computed {seq.num_computed} and the allocated {seq.num_reserved} tokens")

@@ -14,7 +14,7 @@ import torch
 from appliance.core.request import TokenLogprob
 from appliance.engine.sequence import Sequence
 from npu.sampler import token_logprobs
-from npu.step import SeqStep, logits_offsets
+from npu.step import SeqStep, StepBatch, draft_rows, logits_offsets
 
 
 def wants_prompt_logits(seq: Sequence, start: int, num_tokens: int) -> bool:
@@ -62,6 +62,41 @@ def logits_rows(steps: list[tuple[Sequence, SeqStep]]) -> LogitsRows:
             sample_rows.append(at + len(offsets) - 1)
         at += len(offsets)
     return LogitsRows(sample_rows, prompt_rows)
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """A verifying decode row's logits: its K + 1 target rows from `first`, its drafter rows from first_draft (in the
+    rows a runner appends after the step's, npu.step.draft_rows)."""
+    seq: Sequence
+    first: int
+    first_draft: int
+    num_draft: int
+
+
+def verify_rows(steps: list[tuple[Sequence, SeqStep]], rows: LogitsRows) -> list[VerifyRows]:
+    """Where each verifying row's target and drafter logits are, in step order."""
+    out, at, drafted = [], 0, 0
+    for seq, step in steps:
+        n = len(logits_offsets(step))
+        if step.num_draft:
+            out.append(VerifyRows(seq, at, drafted, step.num_draft))
+            drafted += step.num_draft
+        at += n
+    return out
+
+
+def split_draft_rows(logits: torch.Tensor, batches: list[StepBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's logits rows, its drafter rows), each in step order: a runner returns each batch's rows, then
+    that batch's drafter rows (npu.step.draft_rows), batch after batch (one per data-parallel rank)."""
+    main, drafted, at = [], [], 0
+    for batch in batches:
+        n = sum(len(logits_offsets(s)) for s in batch.seqs)
+        d = draft_rows(batch.seqs)
+        main.append(logits[at:at + n])
+        drafted.append(logits[at + n:at + n + d])
+        at += n + d
+    return torch.cat(main), torch.cat(drafted)
 
 
 def add_prompt_logprobs(logits: torch.Tensor, rows: LogitsRows) -> None:

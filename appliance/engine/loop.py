@@ -35,7 +35,15 @@ from appliance.core.tables import startup_report_table
 from appliance.core.tokenizer import Tokenizer
 from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache_manager import KvCacheManager
-from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, wants_prompt_logits
+from appliance.engine.logprobs import (
+    VerifyRows,
+    add_prompt_logprobs,
+    logits_rows,
+    sampled_logprobs,
+    split_draft_rows,
+    verify_rows,
+    wants_prompt_logits,
+)
 from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import ScheduledSeq, Scheduler
 from appliance.engine.sequence import Sequence
@@ -43,7 +51,8 @@ from appliance.engine.stats import EngineStats, GroupUsage, StatsRecorder
 from npu.backends import Backend
 from npu.device_group import RanksLostError, start_ranks
 from npu.launcher import RUNNER_DEVICE, launch
-from npu.sampler import Sampler, apply_token_bitmask
+from npu.sampler import Sampler, apply_token_bitmask, greedy_ids, token_logprobs
+from npu.speculative import rejection_sample, target_probs, verify_greedy
 from npu.step import SeqStep, StepBatch, StepExecutor
 
 log = logging.getLogger("appliance.engine.loop")
@@ -364,30 +373,50 @@ class Engine:
             step = SeqStep(request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
                            start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
                            all_logits=wants_prompt_logits(s.seq, start, s.num_new_tokens),
-                           prompt_len=s.seq.num_prompt_tokens)
+                           prompt_len=s.seq.num_prompt_tokens, num_draft=s.num_draft)
             batches[kv.partition_of(s.seq.request_id) if kv.num_partitions > 1 else 0].seqs.append(step)
             steps.append((s.seq, step))
+        for batch in batches:
+            batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
         if kv.num_partitions > 1:
             logits = runner.execute_partitions(batches)
         else:
             logits = runner.execute(batches[0])
         rows = logits_rows(steps)
+        verified = verify_rows(steps, rows)
+        emitted: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
+        if verified:
+            logits, drafted = split_draft_rows(logits, batches)
+            emitted = self._verify(logits, drafted, verified)
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)
-            logits = logits.index_select(0, torch.tensor(rows.sample_rows, device=logits.device))
+            logits = logits.index_select(0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
         samplers = [s for s in scheduled if s.samples]
-        self._mask_constrained(logits, [s.seq for s in samplers])
-        tokens = sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in samplers]) if samplers else []
-        logprobs = sampled_logprobs(logits, [s.seq.params for s in samplers], tokens)
+        plain = [i for i, s in enumerate(samplers) if not s.num_draft]      # verifying rows sampled in _verify
+        if len(plain) < len(samplers):
+            logits = logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=logits.device))
+        drawn = [samplers[i] for i in plain]
+        self._mask_constrained(logits, [s.seq for s in drawn])
+        tokens = sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in drawn]) if drawn else []
+        logprobs = sampled_logprobs(logits, [s.seq.params for s in drawn], tokens)
         self.steps += 1
+        sampled = {id(s): ([token], [logprob]) for s, token, logprob in zip(drawn, tokens, logprobs)}
+        out: list[tuple[ScheduledSeq, list[int], list[TokenLogprob | None]]] = [
+            (s, *(emitted[id(s.seq)] if s.num_draft else sampled[id(s)])) for s in samplers]
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            kv.commit(s.seq.request_id, s.seq.num_computed_tokens)
-        self._record_tokens([s.seq for s in samplers])
-        finished = []
-        for s, token, logprob in zip(samplers, tokens, logprobs):
-            if self._append(s.seq, token, logprob):
-                finished.append(s.seq)
+            accepted = emitted[id(s.seq)][0][:-1] if s.num_draft else []     # drafts kept: their KV is written
+            s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
+            kv.commit(s.seq.request_id, s.seq.num_computed_tokens, s.seq.token_ids + accepted if accepted else None)
+        self._record_speculation(scheduled, out)
+        first = {id(s.seq) for s in samplers if not s.seq.output_token_ids}
+        finished, appended = [], 0
+        for s, new, new_logprobs in out:
+            for token, logprob in zip(new, new_logprobs):
+                appended += 1
+                if self._append(s.seq, token, logprob):      # a stop among accepted drafts ends the row there
+                    finished.append(s.seq)
+                    break
+        self._record_tokens([s.seq for s in samplers], first, appended)
         return finished
 
     def _mask_constrained(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -402,16 +431,48 @@ class Engine:
         bitmask = self.grammar_compiler().fill_bitmask(matchers)
         apply_token_bitmask(logits, rows, torch.from_numpy(bitmask))
 
-    def _record_tokens(self, seqs: list[Sequence]) -> None:
-        """Count the tokens this step samples for `seqs` and their latencies (before they are appended)."""
+    def _verify(self, logits: torch.Tensor, drafted: torch.Tensor, verified: list[VerifyRows]
+                ) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
+        """Each verifying row's emitted tokens (the accepted drafts and one more, npu/speculative.py) and their
+        logprobs when asked, by id of its sequence. A draft is the argmax of its drafter row."""
+        sampler = self._sampler
+        if not isinstance(sampler, Sampler):
+            raise RuntimeError("the engine has not started: no sampler")
+        out: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
+        for v in verified:
+            target = logits[v.first:v.first + v.num_draft + 1]
+            drafts = greedy_ids(drafted[v.first_draft:v.first_draft + v.num_draft])
+            params = v.seq.params
+            if params.greedy:
+                tokens = verify_greedy(greedy_ids(target), drafts)
+            else:
+                gen = sampler.generator(v.seq.request_id, params)
+                tokens = rejection_sample(target_probs(target, params), drafts, None, gen)
+            logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+            if params.logprobs is not None:
+                logprobs = list(token_logprobs(target[:len(tokens)], tokens, [params.logprobs] * len(tokens)))
+            out[id(v.seq)] = (tokens, logprobs)
+        return out
+
+    def _record_speculation(self, scheduled: list[ScheduledSeq],
+                            out: list[tuple[ScheduledSeq, list[int], list[TokenLogprob | None]]]) -> None:
+        """Drafts proposed and accepted (a prefix of them) by each verifying row this step, for Stats and /metrics."""
+        proposed = [s.num_draft for s in scheduled if s.num_draft]
+        if proposed:
+            accepted = [len(new) - 1 for s, new, _ in out if s.num_draft]
+            self._stats.record_speculation(proposed, accepted)
+
+    def _record_tokens(self, seqs: list[Sequence], first: set[int], num_tokens: int) -> None:
+        """Count the num_tokens this step appended for `seqs` (ids in `first`: their first tokens) and their
+        latencies: one gap per sequence and step, however many tokens a verifying row emitted."""
         now = time.monotonic()
-        first = [seq for seq in seqs if not seq.output_token_ids]
+        starting = [seq for seq in seqs if id(seq) in first]
         self._stats.record_step(
-            prompt_tokens=sum(seq.num_prompt_tokens for seq in first),
-            first_token_latencies=[now - seq.arrival_time for seq in first],
+            prompt_tokens=sum(seq.num_prompt_tokens for seq in starting),
+            first_token_latencies=[now - seq.arrival_time for seq in starting],
             inter_token_latencies=[now - seq.last_token_time for seq in seqs
-                                   if seq.output_token_ids and seq.last_token_time is not None],
-            generation_tokens=len(seqs))
+                                   if id(seq) not in first and seq.last_token_time is not None],
+            generation_tokens=num_tokens)
         for seq in seqs:
             seq.last_token_time = now
 

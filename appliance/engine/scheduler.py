@@ -27,6 +27,7 @@ from appliance.engine.sequence import SeqStatus, Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    num_draft: int = 0          # speculative decoding: tokens drafted after this decode row's and verified with it
 
     @property
     def samples(self) -> bool:
@@ -39,6 +40,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.limits = step_limits(rc)
         self.block_size = rc.block_size
+        self.max_model_len = rc.max_model_len
         self.enable_prefix_caching = rc.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -75,10 +77,19 @@ class Scheduler:
             return budget
         return min(budget, max(self.limits.max_sampled_rows, self.block_size))
 
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Pages for the next tokens in every group at once, or nothing."""
+    def _drafts(self, seq: Sequence, budget: int) -> int:
+        """Tokens a decode row drafts: speculative.num_tokens, fewer where the sequence's length or max_tokens
+        would end first or the step's budget is short (a draft past them could never be kept). A constrained row
+        (structured output) drafts nothing: its drafts would have to pass its grammar too."""
+        if seq.matcher is not None:
+            return 0
+        left = min(self.max_model_len - seq.num_tokens, seq.params.max_tokens - len(seq.output_token_ids)) - 1
+        return max(0, min(self.limits.draft_tokens, left, budget - 1))
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int, num_draft: int = 0) -> bool:
+        """Pages for the next tokens (and drafts) in every group at once, or nothing."""
         try:
-            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens)
+            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens, num_draft)
             return True
         except KvCapacityError:
             return False
@@ -121,14 +132,15 @@ class Scheduler:
                 continue
             if n == 1 and decode_rows[p] == 0:      # a 1-token chunk is a decode row to the runner too
                 continue
-            while not self._allocate(seq, n):
+            draft = self._drafts(seq, budget[p]) if n == 1 else 0
+            while not self._allocate(seq, n, draft):
                 victim = next(s for s in reversed(self.running) if where(s.request_id) == p)  # newest on its partition
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n))
-                budget[p] -= n
+                scheduled.append(ScheduledSeq(seq, n, draft))
+                budget[p] -= n + draft
                 if n == 1:
                     decode_rows[p] -= 1
 

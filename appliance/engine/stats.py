@@ -87,6 +87,18 @@ class EngineStats:
     time_to_first_token: HistogramSnapshot = HistogramSnapshot()
     time_per_output_token: HistogramSnapshot = HistogramSnapshot()   # one observation per gap between tokens
     e2e_request_latency: HistogramSnapshot = HistogramSnapshot()
+    # Speculative decoding (totals): verifying rows, drafts proposed, drafts accepted, and accepted drafts by
+    # position (index k: the (k + 1)-th draft of a row); acceptance rate at k = spec_accepted_by_position[k] over
+    # spec_proposed_by_position[k]. Tokens per verifying row = 1 + spec_accepted / spec_rows.
+    spec_rows: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_proposed_by_position: tuple[int, ...] = ()
+    spec_accepted_by_position: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_by_position(self) -> tuple[float, ...]:
+        return tuple(a / p if p else 0.0 for a, p in zip(self.spec_accepted_by_position, self.spec_proposed_by_position))
 
 
 class StatsRecorder:
@@ -101,6 +113,9 @@ class StatsRecorder:
         self._ttft = _Histogram()
         self._tpot = _Histogram()
         self._e2e = _Histogram()
+        self._spec_proposed: list[int] = []          # by draft position
+        self._spec_accepted: list[int] = []
+        self._spec_rows = 0
 
     def publish(self, *, num_running: int, num_waiting: int, num_preemptions: int, prefix_cache_queries: int,
                 prefix_cache_hits: int, groups: Iterable[GroupUsage]) -> None:
@@ -122,6 +137,18 @@ class StatsRecorder:
             for s in inter_token_latencies:
                 self._tpot.observe(s)
 
+    def record_speculation(self, proposed: list[int], accepted: list[int]) -> None:
+        """One step's verifying rows: drafts proposed and drafts accepted (a prefix of them) per row."""
+        with self._lock:
+            self._spec_rows += len(proposed)
+            for num_proposed, num_accepted in zip(proposed, accepted, strict=True):
+                width = max(num_proposed, len(self._spec_proposed))
+                self._spec_proposed += [0] * (width - len(self._spec_proposed))
+                self._spec_accepted += [0] * (width - len(self._spec_accepted))
+                for k in range(num_proposed):
+                    self._spec_proposed[k] += 1
+                    self._spec_accepted[k] += k < num_accepted
+
     def record_finished(self, reason: str, e2e_latency_s: float) -> None:
         with self._lock:
             self._finished[reason] = self._finished.get(reason, 0) + 1
@@ -135,4 +162,7 @@ class StatsRecorder:
                 prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
                 prefix_cache_queries=g.prefix_cache_queries, prefix_cache_hits=g.prefix_cache_hits,
                 finished=dict(self._finished), groups=g.groups, time_to_first_token=self._ttft.snapshot(),
-                time_per_output_token=self._tpot.snapshot(), e2e_request_latency=self._e2e.snapshot())
+                time_per_output_token=self._tpot.snapshot(), e2e_request_latency=self._e2e.snapshot(),
+                spec_rows=self._spec_rows, spec_proposed=sum(self._spec_proposed),
+                spec_accepted=sum(self._spec_accepted), spec_proposed_by_position=tuple(self._spec_proposed),
+                spec_accepted_by_position=tuple(self._spec_accepted))

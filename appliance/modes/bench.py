@@ -12,6 +12,7 @@ from typing import Any
 from appliance.core.config import RuntimeConfig
 from appliance.core.request import SamplingParams
 from appliance.engine.loop import Engine
+from appliance.engine.stats import EngineStats
 from appliance.modes.results import write_result
 
 
@@ -70,6 +71,17 @@ def run_workload(engine, work: list[tuple[list[int], int]], prefix: str = "bench
     }
 
 
+def speculation_metrics(stats: EngineStats) -> dict[str, Any]:
+    """Speculative decoding's figures (none when it is off): tokens each verifying decode row emitted on average
+    (1 + accepted drafts) and the acceptance rate of each draft position."""
+    if not stats.spec_rows:
+        return {}
+    return {"spec_verify_rows": stats.spec_rows, "spec_draft_tokens": stats.spec_proposed,
+            "spec_accepted_tokens": stats.spec_accepted,
+            "spec_tokens_per_verify_row": 1 + stats.spec_accepted / stats.spec_rows,
+            "spec_acceptance_by_position": list(stats.spec_acceptance_by_position)}
+
+
 def run_bench(rc: RuntimeConfig, output_dir: Path | None = None) -> dict[str, Any]:
     engine = Engine(rc)
     t0 = time.perf_counter()
@@ -80,13 +92,17 @@ def run_bench(rc: RuntimeConfig, output_dir: Path | None = None) -> dict[str, An
         metrics["startup_s"] = startup_s
         metrics["preemptions"] = engine.scheduler.num_preemptions
         metrics["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        metrics.update(speculation_metrics(engine.stats()))
     finally:
         engine.shutdown()
     print(f"bench {rc.model.name}: {metrics['requests']} requests, {metrics['output_tokens']} output tokens in "
           f"{metrics['elapsed_s']:.2f} s -> {metrics['output_tokens_per_s']:.1f} tok/s, "
           f"{metrics['requests_per_s']:.2f} req/s; TTFT p50 {metrics['ttft_p50_s'] * 1e3:.1f} ms "
           f"p99 {metrics['ttft_p99_s'] * 1e3:.1f} ms; TPOT p50 {metrics['tpot_p50_s'] * 1e3:.2f} ms "
-          f"p99 {metrics['tpot_p99_s'] * 1e3:.2f} ms; startup {startup_s:.2f} s")
+          f"p99 {metrics['tpot_p99_s'] * 1e3:.2f} ms; startup {startup_s:.2f} s"
+          + (f"; {metrics['spec_tokens_per_verify_row']:.2f} tokens per verifying row, acceptance by position "
+             f"{', '.join(f'{r:.2f}' for r in metrics['spec_acceptance_by_position'])}" if metrics.get("spec_verify_rows")
+             else ""))
     result = {"status": "ok", "mode": "bench", "model": rc.model.name, "startup": report.to_dict(),
               "metrics": metrics}
     write_result(output_dir, "bench.json", result)

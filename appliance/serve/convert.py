@@ -218,4 +218,7 @@ def stats_response(stats: EngineStats, state: str) -> pb.StatsResponse:
         time_to_first_token_seconds=_histogram(stats.time_to_first_token),
         time_per_output_token_seconds=_histogram(stats.time_per_output_token),
         e2e_request_latency_seconds=_histogram(stats.e2e_request_latency),
+        spec_verify_rows=stats.spec_rows, spec_draft_tokens=stats.spec_proposed,
+        spec_accepted_tokens=stats.spec_accepted, spec_draft_tokens_by_position=stats.spec_proposed_by_position,
+        spec_accepted_tokens_by_position=stats.spec_accepted_by_position,
     )

@@ -55,6 +55,19 @@ class EngineCollector(Collector):
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Decode rows that verified drafted tokens (speculative decoding).",
+                      s.spec_rows)
+        yield counter("spec_decode_num_draft_tokens", "Tokens drafted (speculative decoding).", s.spec_proposed)
+        yield counter("spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.", s.spec_accepted)
+        for name, doc, values in (
+                ("spec_decode_num_draft_tokens_per_pos", "Tokens drafted at each draft position (0-based).",
+                 s.spec_proposed_by_position),
+                ("spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted at each draft position "
+                 "(acceptance rate = this / spec_decode_num_draft_tokens_per_pos).", s.spec_accepted_by_position)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "position"])
+            for k, value in enumerate(values):
+                family.add_metric([m, str(k)], value)
+            yield family
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                        labels=["model_name", "finished_reason"])
         for reason in sorted(set(FINISH_REASONS) | set(s.finished)):

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
+from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, DeepseekV4Layout
 from npu.dsv4.hyper import unweighted_rms
 from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.dsv4.rope import Rope, Rotation
@@ -81,15 +81,24 @@ class Attention:
         out.update({ratio: self.ropes[True].at(pos) for ratio, pos in plan.run_pos.items()})
         return out
 
-    def __call__(self, layer: int, x: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation]) -> torch.Tensor:
+    def window_group(self, layer: int) -> str:
+        """The group of a layer's sliding-window rows: `ori` for main layers, the MTP layers' own group after them."""
+        return "ori" if layer < len(self.ratios) else MTP_WINDOW_GROUP
+
+    def __call__(self, layer: int, x: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation],
+                 prefix: str | None = None) -> torch.Tensor:
+        """Layer `layer` (main layers, then MTP layers: window only) whose weights are under `prefix`
+        (default `layers.L.`)."""
         lay, w = self.lay, self.w
-        p, ratio, d, eps = f"layers.{layer}.attn.", self.ratios[layer], lay.head_dim, lay.rms_norm_eps
+        p = (prefix or f"layers.{layer}.") + "attn."
+        ratio = self.ratios[layer] if layer < len(self.ratios) else 0
+        d, eps = lay.head_dim, lay.rms_norm_eps
         rope = rot[bool(ratio)]
         q_latent = rms_norm(F.linear(x, w(p + "wq_a.weight")), w(p + "q_norm.weight"), eps)
         q = unweighted_rms(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, lay.num_heads, d), eps)
         q = rope.apply(q)
         kv = rope.apply(rms_norm(F.linear(x, w(p + "wkv.weight")), w(p + "kv_norm.weight"), eps))
-        self.io.write("ori", layer, plan.rows["ori.write"], kv)
+        self.io.write(self.window_group(layer), layer, plan.rows["ori.write"], kv)
         if ratio:
             kind = self.kinds[ratio]
             self._compress(layer, p + "compressor.", kind, kind.states[0], kind.outputs[0], d, x, plan, rot[ratio])
@@ -97,7 +106,7 @@ class Attention:
                 self._compress(layer, p + "indexer.compressor.", kind, kind.states[1], kind.outputs[1],
                                lay.index_head_dim, x, plan, rot[ratio])
         index = self._index_queries(layer, x, q_latent, rope) if ratio == self.csa else None
-        outs = [self._attend(layer, group.view(q), self._keys(layer, ratio, group, index)).flatten(0, 1)
+        outs = [self._attend(p, group.view(q), self._keys(layer, ratio, group, index)).flatten(0, 1)
                 for group in plan.groups]                                   # [S * Q, H, d] each, in flat order
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = rope.apply(out, inverse=True)
@@ -127,7 +136,7 @@ class Attention:
         """The key parts of one query group, each (keys = values, bool mask): the window rows; HCA: every
         compressed row, masked to those visible; CSA: the rows the indexer picks for each query."""
         d = self.lay.head_dim
-        parts = [(self.io.read("ori", layer, group.keys["ori"], d, self.dtype), group.window_mask)]
+        parts = [(self.io.read(self.window_group(layer), layer, group.keys["ori"], d, self.dtype), group.window_mask)]
         if ratio:
             cmp = self.kinds[ratio].outputs[0]
             if ratio != self.csa:
@@ -149,13 +158,14 @@ class Attention:
 
         Ties (rows scoring exactly alike: every head's relu is 0) are broken as transformers breaks them: by
         torch.topk over the same row of scores, a sequence's compressed rows 0 .. T - 1 with the invisible ones
-        at -inf, T = max(prompt length, step end) // ratio (what a one-step prefill of the prompt, then one
-        decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
+        at -inf, T = the query's ranked_end // ratio (paging.QueryGroup: what a one-step prefill of the prompt,
+        then one decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
         length and values only (not on batching), so chunking, batching and preemption never change it. Only
         sequences with a tie at the k-th score need that call; the others' picks come from one call per group."""
         di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
         visible = group.visible[ratio]
-        lengths = (group.ranked_end // ratio).tolist()                                      # T per sequence
+        ranked = group.ranked_end // ratio                                                 # [S, Q] T per query
+        lengths = ranked.flatten().tolist()
         k = min(topk, max(lengths, default=0))
         if k == 0:
             return None
@@ -169,17 +179,18 @@ class Attention:
         order = top.indices[..., :k]                              # are the same set under any tie rule unless the
         if k < width:                                             # k-th and the (k + 1)-th score are equal
             kth = top.values[..., k - 1]
-            tied = ((kth == top.values[..., k]) & (kth > float("-inf"))).any(dim=1).tolist()     # per sequence
-            for length in {n for n, t in zip(lengths, tied) if t}:     # then: transformers' call, on its row
-                seqs = [i for i, (n, t) in enumerate(zip(lengths, tied)) if t and n == length]
-                order[seqs] = score[seqs, :, :length].topk(k, dim=-1).indices        # (length > k: it is tied)
+            tied = (kth == top.values[..., k]) & (kth > float("-inf"))                          # [S, Q]
+            if bool(tied.any()):                                  # then: transformers' call, on the query's row
+                for length in set(ranked[tied].tolist()):
+                    s_at, q_at = (tied & (ranked == length)).nonzero(as_tuple=True)
+                    order[s_at, q_at] = score[s_at, q_at, :length].topk(k, dim=-1).indices   # (length > k: tied)
         ok = score.gather(-1, order) > float("-inf")
         where = group.keys[self.kinds[ratio].outputs[0]]                                   # [S, Kc]
         inside = order.clamp(max=where.page.shape[1] - 1)                  # rows past Kc are -inf: not ok
         pick = lambda t: t.gather(1, inside.flatten(1)).view_as(order)  # noqa: E731
         return Rows(pick(where.page), pick(where.row), ok)
 
-    def _attend(self, layer: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _attend(self, prefix: str, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [S, Q, H, d] over parts of keys = values with masks [S, Q, K]: keys [S, K, d] are shared by a
         sequence's queries, keys [S, Q, K, d] are per query. One softmax over all parts and a sink logit."""
         S, Q, H, d = q.shape
@@ -188,7 +199,7 @@ class Attention:
             eq = "sqhd,skd->shqk" if keys.dim() == 3 else "sqhd,sqkd->shqk"
             scores.append(torch.einsum(eq, q, keys).float().mul_(d ** -0.5).masked_fill_(~mask[:, None], -math.inf))
         widths = [s.shape[-1] for s in scores]
-        sink = self.w(f"layers.{layer}.attn.attn_sink").float().view(1, H, 1, 1).expand(S, H, Q, 1)
+        sink = self.w(prefix + "attn_sink").float().view(1, H, 1, 1).expand(S, H, Q, 1)
         logits = torch.cat([*scores, sink], dim=-1)
         scores.clear()                 # the parts go before the softmax allocates its output
         probs = logits.softmax(dim=-1)

@@ -44,7 +44,9 @@ class QueryGroup:
     window_mask: torch.Tensor                                          # [S, Q, Kw] query sees window key
     visible: dict[int, torch.Tensor] = field(default_factory=dict)     # ratio -> [S, Q, Kc]
     keys: dict[str, Rows] = field(default_factory=dict)                # group -> key rows: ori [S, Kw], others [S, Kc]
-    # [S] tokens whose compressed rows the indexer ranks over: max(prompt length, step end), see Attention._index
+    # [S, Q] tokens whose compressed rows the indexer ranks a query's picks over, see Attention._index: a prompt
+    # token's, the prompt's length (the step's end when not known); a later token's, its position + 1 (what one
+    # -token decoding ranks over: so verifying drafts, or recomputing after preemption, ranks as decoding did)
     ranked_end: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
@@ -125,30 +127,40 @@ def check_state_rings(model: ModelSpec, kinds: list[Compression], seqs: list[Seq
                         f"multi-token steps on a block boundary (as the scheduler does) or shorten them")
 
 
-def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], device: torch.device) -> StepPlan:
+def flat_order(seqs: list[SeqStep]) -> list[int]:
+    """Batch indices in the order a plan lays out their tokens: by tokens computed, batch order among equals."""
+    return sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids))
+
+
+def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], device: torch.device,
+               window: str = "ori") -> StepPlan:
+    """The step's rows. `window`: the group holding the sliding-window rows (plan keys "ori"): `ori` for the
+    main layers, the MTP layers' own group for a drafting pass."""
     tif = model.layout.tokens_in_flight
     for s in batch.seqs:
         if not 1 <= len(s.token_ids) <= tif or s.start_pos < 0:
             raise ValueError(f"request {s.request_id!r}: a step computes 1..{tif} tokens (tokens_in_flight) "
                              f"from start_pos >= 0, got {len(s.token_ids)} tokens at {s.start_pos}")
     check_state_rings(model, kinds, batch.seqs)
-    order = sorted(range(len(batch.seqs)), key=lambda i: len(batch.seqs[i].token_ids))   # stable: batch order
+    order = flat_order(batch.seqs)
     seqs = [batch.seqs[i] for i in order]
     S = len(seqs)
     lens = torch.tensor([len(s.token_ids) for s in seqs])
     starts = torch.tensor([s.start_pos for s in seqs])
     ends = starts + lens
-    ranked_end = torch.maximum(ends, torch.tensor([s.prompt_len for s in seqs]))
+    prompt_lens = torch.tensor([s.prompt_len for s in seqs])
+    prompt_ends = torch.where(prompt_lens > 0, prompt_lens, ends)
     last = torch.cumsum(lens, 0) - 1                                      # flat index of each sequence's last token
     tok_seq = torch.repeat_interleave(torch.arange(S), lens)
     pos = starts[tok_seq] + torch.arange(len(tok_seq)) - (last + 1 - lens)[tok_seq]
     all_tokens = torch.ones_like(pos, dtype=torch.bool)
     tables = {spec.name: block_table(spec, seqs) for spec in model.cache_groups}
+    tables["ori"] = tables[window]
 
     def at(name: str, seq: torch.Tensor, row_pos: torch.Tensor, ok: torch.Tensor) -> Rows:
         return locate(model.group(name), tables[name], seq, row_pos, ok, seqs)
 
-    rows = {"ori.write": at("ori", tok_seq, pos, all_tokens)}
+    rows = {"ori.write": at(window, tok_seq, pos, all_tokens)}
     flat_last = dict(zip(order, last.tolist()))
     sample = torch.tensor([flat_last[i] - len(s.token_ids) + 1 + k for i, s in enumerate(batch.seqs)
                            for k in logits_offsets(s)], dtype=torch.long)
@@ -180,8 +192,9 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
         kvalid = (kpos >= 0) & (kpos < g_ends[:, None])
         dist = qpos[:, :, None] - kpos[:, None, :]
         group = QueryGroup(int(last[members[0]]) + 1 - q_len, len(members), q_len,
-                           kvalid[:, None, :] & (dist >= 0) & (dist < W), ranked_end=ranked_end[members])
-        group.keys["ori"] = at("ori", members[:, None].expand_as(kpos), kpos, kvalid)
+                           kvalid[:, None, :] & (dist >= 0) & (dist < W),
+                           ranked_end=torch.maximum(qpos + 1, prompt_ends[members][:, None]))
+        group.keys["ori"] = at(window, members[:, None].expand_as(kpos), kpos, kvalid)
         for kind in kinds:
             # compressed rows 0 .. end // r - 1, visible once their window has ended
             g_stop = g_ends // kind.ratio

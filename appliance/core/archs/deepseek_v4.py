@@ -10,6 +10,7 @@ transformers' DeepseekV4Config writes (`layer_types` + `compress_rates`, `mlp_la
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +18,11 @@ from appliance.core.archs.hf_config import HfConfigError, HfLayout, check_layout
 from appliance.core.checks import Checker
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
-from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec
+from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec, ring_blocks
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
+# The MTP layers' sliding-window rows, a group of their own that exists only with speculative.method=mtp.
+MTP_WINDOW_GROUP = "mtp"
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 HF_MODEL_TYPES = ("deepseek_v4",)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
@@ -414,3 +417,16 @@ def validate(model: ModelSpec[DeepseekV4Layout]) -> list[ConfigIssue]:
                                                                         f"{width} values"))
         issues += _row_format_issues(spec, p, name)
     return issues
+
+
+def mtp_window_group(ori: CacheGroupSpec, layout: DeepseekV4Layout, draft_tokens: int) -> CacheGroupSpec:
+    """The MTP layers' sliding-window rows (speculative.method=mtp): a ring like `ori` over the MTP layers, which
+    attend through the window only. A group of its own, so that speculation off keeps `ori` as released. Its span
+    reaches draft_tokens + 1 tokens further back than the window: a step writes the MTP rows of the tokens the
+    previous one accepted, the first of them up to draft_tokens + 1 positions before the first token it computes
+    (npu/dsv4/mtp.py)."""
+    mtp_layers = tuple(range(layout.num_layers, layout.num_layers + layout.num_mtp_layers))
+    span = ori.ring_span_tokens + draft_tokens + 1
+    return dataclasses.replace(ori, name=MTP_WINDOW_GROUP, layer_ids=mtp_layers, ring_span_tokens=span,
+                               max_blocks_per_seq=ring_blocks(span, layout.tokens_in_flight, ori.tokens_per_page,
+                                                              False))

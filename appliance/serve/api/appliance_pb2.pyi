@@ -274,7 +274,7 @@ class Histogram(_message.Message):
     def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("state", "num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "cache_groups", "time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds")
+    __slots__ = ("state", "num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "requests_finished", "cache_groups", "time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds", "spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens", "spec_draft_tokens_by_position", "spec_accepted_tokens_by_position")
     class RequestsFinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,11 @@ class StatsResponse(_message.Message):
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_PER_OUTPUT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     E2E_REQUEST_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     state: str
     num_requests_running: int
     num_requests_waiting: int
@@ -308,4 +313,9 @@ class StatsResponse(_message.Message):
     time_to_first_token_seconds: Histogram
     time_per_output_token_seconds: Histogram
     e2e_request_latency_seconds: Histogram
-    def __init__(self, state: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., cache_groups: _Optional[_Iterable[_Union[CacheGroupUsage, _Mapping]]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    spec_verify_rows: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_draft_tokens_by_position: _containers.RepeatedScalarFieldContainer[int]
+    spec_accepted_tokens_by_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., cache_groups: _Optional[_Iterable[_Union[CacheGroupUsage, _Mapping]]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., spec_verify_rows: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_draft_tokens_by_position: _Optional[_Iterable[int]] = ..., spec_accepted_tokens_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
