@@ -165,7 +165,8 @@ class OpenAIRoutes:
         """Stream the deltas of every choice (each chunk with its tokens' logprobs from delta_logprobs), or answer
         once with the text and logprobs `render` makes of each whole choice."""
         if body.stream:
-            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs),
+            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs,
+                                                  body.continuous_usage),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
         collect = asyncio.ensure_future(asyncio.gather(*(self._collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_until_disconnected(http))
@@ -205,8 +206,10 @@ class OpenAIRoutes:
                 return collected, out
 
     async def _events(self, streams: list[RequestStream], shape: ResponseShape, include_usage: bool,
-                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None]) -> AsyncIterator[str]:
-        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished."""
+                      delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None],
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
+        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished.
+        With continuous_usage every chunk also carries its choice's usage so far (vLLM's continuous_usage_stats)."""
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -218,16 +221,22 @@ class OpenAIRoutes:
         pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
         running = set(range(len(streams)))
         usages: list[Usage | None] = [None] * len(streams)
+        sent_tokens = [0] * len(streams)
+
+        def usage_so_far(i: int) -> Usage | None:
+            return Usage(streams[i].prompt_tokens, sent_tokens[i], 0) if continuous_usage else None
         try:
             if shape.kind == "chat":
                 for i in range(len(streams)):
-                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i))
+                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i, usage=usage_so_far(i)))
             while running:
                 i, out = await merged.get()
                 finished = out.finished or out.error is not None
                 logprobs = delta_logprobs(i, out) if out.new_token_ids else None
+                sent_tokens[i] += len(out.new_token_ids)
                 if out.new_text or logprobs is not None:
-                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i))
+                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i,
+                                           usage=usage_so_far(i)))
                 if not finished:
                     continue
                 running.discard(i)
@@ -239,7 +248,7 @@ class OpenAIRoutes:
                     include_usage = False
                     break
                 yield _sse(shape.chunk(None if shape.kind == "chat" else "", finish_reason(out), include_usage,
-                                       index=i))
+                                       index=i, usage=out.usage if continuous_usage else None))
             if include_usage:
                 yield _sse(shape.usage_chunk(choices_usage(usages)))
             yield "data: [DONE]\n\n"
@@ -372,7 +381,8 @@ class OpenAIRoutes:
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
-                                            "owned_by": "appliance", "max_model_len": self.server.rc.max_model_len}]}
+                                            "owned_by": "appliance", "root": self.model, "parent": None,
+                                            "max_model_len": self.server.rc.max_model_len}]}
 
     async def health(self) -> Response:
         state = self.server.state

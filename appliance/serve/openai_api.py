@@ -101,6 +101,7 @@ class _Request(_Strict):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Sampling(_Request):
@@ -120,6 +121,7 @@ class _Sampling(_Request):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0    # vLLM's; `vllm bench serve` sends 1.0 (no penalty) in every request
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -129,12 +131,19 @@ class _Sampling(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise invalid(name, "penalties are not supported (send 0)")
+        if self.repetition_penalty != 1.0:
+            raise invalid("repetition_penalty", "penalties are not supported (send 1.0)")
         if self.logit_bias:
             raise invalid("logit_bias", "logit_bias is not supported")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (GuideLLM asks for it): usage in every chunk, only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
@@ -413,8 +422,9 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
-              logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
-        """One streamed chunk of choice `index`; with include_usage every chunk but the last carries usage null."""
+              logprobs: dict[str, Any] | None = None, index: int = 0, usage: Usage | None = None) -> dict[str, Any]:
+        """One streamed chunk of choice `index`; with include_usage every chunk but the last carries `usage`
+        (null unless the client asked for continuous usage)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -425,7 +435,7 @@ class ResponseShape:
             body = self._envelope("text_completion", [
                 {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage_body(usage)
         return body
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
