@@ -104,7 +104,7 @@ def threads_chosen(log: Path) -> str:
     """The line in which the server said how many compute threads it uses (appliance) or where it bound them
     (vLLM), for the table's notes."""
     text = log.read_text(errors="replace")
-    for pattern in (r"device\.cpu_threads=[^:]*: ([^(;]*)", r"local_rank=0, core ids=(\[[^\]]*\])"):
+    for pattern in (r"device\.cpu_threads=\S+: (\d+ intra-op threads?)", r"local_rank=0, core ids=(\[[^\]]*\])"):
         found = re.search(pattern, text)
         if found:
             return found.group(1).strip()
@@ -269,7 +269,8 @@ def session(system: str, run: int, model: str, args: argparse.Namespace, work: W
             results["GuideLLM"] = guidellm(args.guidellm, base_url, model, work, data, workdir / f"{tag}-guidellm.json")
     finally:
         stop(proc)
-    return Session(system, run, load_start, os.getloadavg(), start_s, results, threads_chosen(log))
+    threads = threads_chosen(log) if args.threads is None or system == "vLLM" else f"{args.threads} (set)"
+    return Session(system, run, load_start, os.getloadavg(), start_s, results, threads)
 
 
 def make_checkpoint(args: argparse.Namespace) -> str:
