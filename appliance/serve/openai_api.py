@@ -6,6 +6,8 @@ expected); responses are plain dicts in the documented OpenAI shapes. A top-leve
 (`best_of`, `response_format`, `tool_choice`, a typo) is a 400 naming it, and declared ones the engine cannot
 honour (penalties, logit_bias, suffix, echo with stream) are refused likewise: nothing is silently ignored (inside
 a chat message, keys other than role, content and name still are). Beyond OpenAI: top_k, ignore_eos and stop_token_ids (as vLLM accepts them).
+Of vLLM's extensions the benchmark clients send: repetition_penalty 1.0 (`vllm bench serve`) and
+stream_options.continuous_usage_stats (GuideLLM).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
 "raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
