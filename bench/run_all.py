@@ -82,6 +82,8 @@ BENCHMARKS = (
     Benchmark("guidellm", "bench_guidellm.py", ("--guidellm", "guidellm", "--out", "{out_dir}/guidellm.json"),
               setup_s=30, run_s=60,
               by_default=False, needs=("guidellm",)),
+    # Needs $VLLM_VENV (vLLM in a venv of its own) and guidellm on PATH (`pip install -e '.[bench]'`).
+    Benchmark("serve-peers", "bench_serve_peers.py", setup_s=60, run_s=330, by_default=False, needs=("guidellm",)),
 )
 
 

@@ -172,7 +172,8 @@ class OpenAIRoutes:
         through a parser from new_parser, which splits out reasoning and tool calls), or answer once with the text
         (or message), finish reason and logprobs `render` makes of each whole choice and its finish reason."""
         if body.stream:
-            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs, new_parser),
+            return StreamingResponse(self._events(streams, shape, body.include_usage, delta_logprobs, new_parser,
+                                                  body.continuous_usage),
                                      media_type="text/event-stream", headers={"x-request-id": shape.id})
         collect = asyncio.ensure_future(asyncio.gather(*(self._collect(stream) for stream in streams)))
         gone = asyncio.ensure_future(_until_disconnected(http))
@@ -212,8 +213,10 @@ class OpenAIRoutes:
 
     async def _events(self, streams: list[RequestStream], shape: ResponseShape, include_usage: bool,
                       delta_logprobs: Callable[[int, RequestOutput], dict[str, Any] | None],
-                      new_parser: Callable[[], ChatOutputParser] | None = None) -> AsyncIterator[str]:
-        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished."""
+                      new_parser: Callable[[], ChatOutputParser] | None = None,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
+        """The choices' deltas as server-sent events, in the order they come; the usage chunk once all finished.
+        With continuous_usage every chunk also carries its choice's usage so far (vLLM's continuous_usage_stats)."""
         parsers = [new_parser() for _ in streams] if new_parser is not None else None
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
@@ -226,23 +229,29 @@ class OpenAIRoutes:
         pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
         running = set(range(len(streams)))
         usages: list[Usage | None] = [None] * len(streams)
+        sent_tokens = [0] * len(streams)
+
+        def usage_so_far(i: int) -> Usage | None:
+            return Usage(streams[i].prompt_tokens, sent_tokens[i], 0) if continuous_usage else None
         try:
             if shape.kind == "chat":
                 for i in range(len(streams)):
-                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i))
+                    yield _sse(shape.chunk("", None, include_usage, role=True, index=i, usage=usage_so_far(i)))
             while running:
                 i, out = await merged.get()
                 finished = out.finished or out.error is not None
                 logprobs = delta_logprobs(i, out) if out.new_token_ids else None
+                sent_tokens[i] += len(out.new_token_ids)
                 if parsers is not None:
                     fields = parsers[i].feed(out.new_text) if out.new_text else []
                     if out.finished and out.error is None and out.finish_reason != FinishReason.ABORTED:
                         fields += parsers[i].finish()
                     for k, delta in enumerate(fields or ([{}] if logprobs is not None else [])):
                         yield _sse(shape.chunk(None, None, include_usage, logprobs=logprobs if k == 0 else None,
-                                               index=i, delta_fields=delta))
+                                               index=i, delta_fields=delta, usage=usage_so_far(i)))
                 elif out.new_text or logprobs is not None:
-                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i))
+                    yield _sse(shape.chunk(out.new_text, None, include_usage, logprobs=logprobs, index=i,
+                                           usage=usage_so_far(i)))
                 if not finished:
                     continue
                 running.discard(i)
@@ -256,7 +265,7 @@ class OpenAIRoutes:
                 reason = finish_reason(out)
                 yield _sse(shape.chunk(None if shape.kind == "chat" else "",
                                        parsers[i].finish_reason(reason) if parsers is not None else reason,
-                                       include_usage, index=i))
+                                       include_usage, index=i, usage=out.usage if continuous_usage else None))
             if include_usage:
                 yield _sse(shape.usage_chunk(choices_usage(usages)))
             yield "data: [DONE]\n\n"
@@ -423,7 +432,8 @@ class OpenAIRoutes:
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
-                                            "owned_by": "appliance", "max_model_len": self.server.rc.max_model_len}]}
+                                            "owned_by": "appliance", "root": self.model, "parent": None,
+                                            "max_model_len": self.server.rc.max_model_len}]}
 
     async def health(self) -> Response:
         state = self.server.state

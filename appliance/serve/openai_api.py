@@ -9,6 +9,8 @@ role, content, name, tool_calls, tool_call_id and reasoning still are). Beyond O
 stop_token_ids and structured_outputs (as vLLM accepts them). `response_format` and `structured_outputs` become the
 request's OutputConstraint (appliance/serve/structured.py); so does `tool_choice` "required" or a named function
 (appliance/serve/tool_grammar.py).
+Of vLLM's extensions the benchmark clients send: repetition_penalty 1.0 (`vllm bench serve`) and
+stream_options.continuous_usage_stats (GuideLLM).
 Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
 the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
 "raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
@@ -112,6 +114,7 @@ class _Request(_Strict):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Sampling(_Request):
@@ -131,6 +134,7 @@ class _Sampling(_Request):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0    # vLLM's; `vllm bench serve` sends 1.0 (no penalty) in every request
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None          # OpenAI: text, json_object, json_schema
@@ -142,12 +146,19 @@ class _Sampling(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise invalid(name, "penalties are not supported (send 0)")
+        if self.repetition_penalty != 1.0:
+            raise invalid("repetition_penalty", "penalties are not supported (send 1.0)")
         if self.logit_bias:
             raise invalid("logit_bias", "logit_bias is not supported")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (GuideLLM asks for it): usage in every chunk, only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
@@ -521,9 +532,10 @@ class ResponseShape:
 
     def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
               logprobs: dict[str, Any] | None = None, index: int = 0,
-              delta_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+              delta_fields: dict[str, Any] | None = None, usage: Usage | None = None) -> dict[str, Any]:
         """One streamed chunk of choice `index` (chat: its delta's content, or `delta_fields` such as reasoning or
-        tool calls); with include_usage every chunk but the last carries usage null."""
+        tool calls); with include_usage every chunk but the last carries `usage` (null unless the client asked for
+        continuous usage)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -535,7 +547,7 @@ class ResponseShape:
             body = self._envelope("text_completion", [
                 {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage_body(usage)
         return body
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:

@@ -52,13 +52,17 @@ class RequestStream:
         self._registry.discard(self)
         self.handle.abort()
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens, known from submit on (the engine's usage comes only at the end)."""
+        seq = getattr(self.handle, "seq", None)
+        return len(seq.prompt_token_ids) if seq is not None else 0
+
     def end_aborted(self) -> None:
         """Finish the stream here, ABORTED with what it delivered, when the engine cannot in time (a step that
         outlasts the shutdown's bound): the client gets a finish reason rather than a cut connection."""
-        seq = getattr(self.handle, "seq", None)
-        prompt_tokens = len(seq.prompt_token_ids) if seq is not None else 0
         self._queue.put_nowait(RequestOutput(self.request_id, (), "", FinishReason.ABORTED,
-                                             Usage(prompt_tokens, self.completion_tokens, 0)))
+                                             Usage(self.prompt_tokens, self.completion_tokens, 0)))
         self._registry.discard(self)
 
 

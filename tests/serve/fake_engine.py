@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import types
 
 from appliance.core.planner import DeviceMemory, plan_capacity
 from appliance.core.request import (
@@ -37,8 +38,9 @@ class ByteTokenizer:
 
 
 class FakeHandle:
-    def __init__(self, engine: "FakeEngine", request_id: str):
+    def __init__(self, engine: "FakeEngine", request_id: str, prompt_ids: list[int]):
         self._engine, self.request_id = engine, request_id
+        self.seq = types.SimpleNamespace(prompt_token_ids=tuple(prompt_ids))     # as the engine's handle has it
 
     def abort(self) -> None:
         self._engine.abort(self.request_id)
@@ -142,7 +144,7 @@ class FakeEngine:
             for g in self._free:            # one block per group per request, enough to see leaks
                 self._free[g] -= 1
             self.requests[request_id] = FakeRequest(request_id, ids, params, on_output)
-        return FakeHandle(self, request_id)
+        return FakeHandle(self, request_id, ids)
 
     def _finish(self, req: FakeRequest, reason: FinishReason, error: str | None = None) -> RequestOutput:
         with self._lock:
