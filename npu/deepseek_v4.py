@@ -66,7 +66,7 @@ class DeepseekV4Runner(ModelRunner):
         # Speculative decoding: the MTP layer's window group exists only with speculative.method=mtp.
         self.drafts = any(g.name == MTP_WINDOW_GROUP for g in model.cache_groups)
         self.mtp_history: dict[str, MtpHistory] = {}
-        self.steps = 0
+        self.executed_steps = 0
         self.params: dict[str, Held] = {}
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
@@ -179,7 +179,7 @@ class DeepseekV4Runner(ModelRunner):
             if self.expert_parallel is not None:
                 self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
-        self.steps += 1
+        self.executed_steps += 1
         drafted: list[torch.Tensor] = []
         seqs = batch.seqs
         passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
@@ -278,7 +278,7 @@ class DeepseekV4Runner(ModelRunner):
             h = streams[offsets[i]:offsets[i] + len(s.token_ids)]
             if a.num_draft:
                 self.mtp_history[s.request_id] = MtpHistory(s.start_pos, tuple(s.token_ids), h.clone(), s.start_pos,
-                                                            self.steps)
+                                                            self.executed_steps)
                 continue
             history = self.mtp_history.get(s.request_id)
             before = history.hidden_at(s.start_pos - 1) if history is not None and not worst_case else None
@@ -289,13 +289,13 @@ class DeepseekV4Runner(ModelRunner):
                 rows.append(SeqStep(s.request_id, list(s.token_ids[1:]), s.start_pos, s.block_tables))
                 hidden.append(h[:-1])
             end = s.start_pos + len(s.token_ids)
-            kept.append((s.request_id, MtpHistory(end - 1, (s.token_ids[-1],), h[-1:].clone(), end - 1, self.steps)))
+            kept.append((s.request_id, MtpHistory(end - 1, (s.token_ids[-1],), h[-1:].clone(), end - 1, self.executed_steps)))
         if rows or self.expert_parallel is not None:        # every expert-parallel rank joins the pass
             self._mtp_pass(rows, hidden, worst_case)
         self.mtp_history.update(kept)
         if worst_case:
             self.mtp_history.clear()
-        for rid in [r for r, hist in self.mtp_history.items() if hist.step < self.steps - STALE_STEPS]:
+        for rid in [r for r, hist in self.mtp_history.items() if hist.step < self.executed_steps - STALE_STEPS]:
             del self.mtp_history[rid]
 
     @torch.inference_mode()
