@@ -8,12 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.request import SamplingParams
 from appliance.core.step_limits import step_limits
-from appliance.engine.kv_cache_manager import KvCacheManager
-from appliance.engine.scheduler import Scheduler
-from appliance.engine.sequence import Sequence
-from tests.support.kv import blocks_per_group
+from tests.engine.test_scheduler_limits import random_scheduler
 
 
 @settings(max_examples=12, deadline=None)
@@ -22,14 +18,8 @@ def test_drafting_rows_stay_inside_step_limits(k, budget, max_seqs, decode_batch
     rc = load_runtime_config(["max_model_len=128", f"max_num_batched_tokens={budget}", f"max_num_seqs={max_seqs}",
                               f"decode_batch={decode_batch}", "speculative.method=mtp", f"speculative.num_tokens={k}"])
     limits = step_limits(rc)
-    kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=True)
-    kv.initialize(blocks_per_group(rc.model.cache_groups, 6 * rc.model.cache_groups[0].max_blocks_per_seq))  # small: preemption too
-    sched = Scheduler(rc, kv)
-    rng = random.Random(seed)
-    for i in range(rng.randrange(1, 12)):
-        prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 110))]
-        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 128 - len(prompt) + 1)),
-                           lambda out: None))
+    sched, kv = random_scheduler(rc, seed)
+    rng = random.Random(seed)                         # how many drafts each verify accepts
     drafted = 0
     for _ in range(2000):
         if not sched.has_work():

@@ -15,6 +15,20 @@ from appliance.engine.sequence import Sequence
 from tests.support.kv import blocks_per_group
 
 
+def random_scheduler(rc, seed: int) -> tuple[Scheduler, KvCacheManager]:
+    """A scheduler over a small KV pool (six slots: preemption happens too) holding 1-11 random requests that fit
+    max_model_len 128."""
+    kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=True)
+    kv.initialize(blocks_per_group(kv.specs, 6 * rc.model.cache_groups[0].max_blocks_per_seq))
+    sched = Scheduler(rc, kv)
+    rng = random.Random(seed)
+    for i in range(rng.randrange(1, 12)):
+        prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 110))]
+        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 128 - len(prompt) + 1)),
+                           lambda out: None))
+    return sched, kv
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from(["qwen3_tiny", "dsv4_tiny"]), st.integers(16, 96), st.integers(1, 6), st.integers(1, 8),
        st.integers(0, 10_000))
@@ -22,14 +36,7 @@ def test_the_scheduler_never_leaves_step_limits(model, budget, max_seqs, decode_
     rc = load_runtime_config([f"+model={model}", "max_model_len=128", f"max_num_batched_tokens={budget}",
                               f"max_num_seqs={max_seqs}", f"decode_batch={decode_batch}"])
     limits = step_limits(rc)
-    kv = KvCacheManager(rc.model.cache_groups, rc.block_size, enable_prefix_caching=True)
-    kv.initialize(blocks_per_group(kv.specs, 6 * rc.model.cache_groups[0].max_blocks_per_seq))   # small: preempts too
-    sched = Scheduler(rc, kv)
-    rng = random.Random(seed)
-    for i in range(rng.randrange(1, 12)):
-        prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 110))]
-        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 128 - len(prompt) + 1)),
-                           lambda out: None))
+    sched, kv = random_scheduler(rc, seed)
     for _ in range(2000):
         if not sched.has_work():
             break

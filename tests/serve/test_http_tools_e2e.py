@@ -19,6 +19,7 @@ from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.tokenizer import load_tokenizer_for  # noqa: E402
 from appliance.serve.dsv4_chat import Dsv4ChatFormat  # noqa: E402
 from tests.serve.qwen3_template import QWEN3_CHAT_TEMPLATE  # noqa: E402
+from tests.serve.test_http_tools import streamed as assemble_stream  # noqa: E402
 from tests.serve.test_server_e2e import ServerProcess, wait_for  # noqa: E402
 from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
@@ -74,19 +75,9 @@ def qwen3(tmp_path_factory):
 
 
 def streamed(chunks) -> tuple[dict, str | None]:
-    content, reasoning, calls, reason = "", "", {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
-            for call in delta.tool_calls or ():
-                if call.id is not None:
-                    calls[call.index] = [call.function.name, ""]
-                calls[call.index][1] += call.function.arguments or ""
-            reason = choice.finish_reason or reason
-    return {"content": content or None, "reasoning": reasoning or None,
-            "calls": [(name, args) for name, args in calls.values()]}, reason
+    """The stream put together (as test_http_tools does), its calls as (name, arguments): ids differ per answer."""
+    whole, reason = assemble_stream(chunks)
+    return {**whole, "calls": [(c["name"], c["arguments"]) for c in whole["calls"]]}, reason
 
 
 def as_streamed(message) -> dict:
