@@ -1,6 +1,6 @@
 PYTHON ?= python
 
-.PHONY: install test proto bench bench-all soak clean mutation
+.PHONY: install test proto bench bench-all soak clean mutation device-check wheelhouse
 
 # The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build. The last line
 # compiles the CPU paged-attention kernel into ~/.cache/appliance/kernels, so no start waits for the compiler.
@@ -11,6 +11,21 @@ install:
 
 test:
 	$(PYTHON) -m pytest -q tests
+
+# On a machine with one NVIDIA GPU (offline is fine): the accelerator checks of bench/device_check.py (tiny models on
+# the GPU, greedy == transformers on the GPU, the memory promise at utilization 0.5 and 0.85 in the driver's view,
+# serving, tok/s beside transformers), in a few minutes; summary.md/json in DEVICE_CHECK_OUT (default device-check/).
+device-check:
+	$(PYTHON) bench/device_check.py
+
+# Every wheel this project needs besides torch, for a host without network (README "Install offline"): run it on a
+# connected host; WHEEL_PYTHON / WHEEL_PLATFORM name the offline host's Python and platform. Install there with
+# `pip install --no-index --find-links wheelhouse -e '.[dev]'` (its own torch stays: torch >= 2.5).
+WHEELHOUSE ?= wheelhouse
+WHEEL_PYTHON ?= 3.12
+WHEEL_PLATFORM ?= manylinux_2_35_x86_64
+wheelhouse:
+	$(PYTHON) bench/wheelhouse.py --dest $(WHEELHOUSE) --python-version $(WHEEL_PYTHON) --platform $(WHEEL_PLATFORM)
 
 # Regenerate the gRPC stubs in appliance/serve/api/ from protos/ (tests fail when they drift).
 proto:

@@ -53,8 +53,15 @@ class MemoryStats:
     total_bytes: int
     free_bytes: int
     peak_allocated_bytes: int      # highest bytes held by this process's tensors since the last reset_peak
-    non_torch_bytes: int = 0       # growth of device memory outside torch's allocator since the backend started
+    non_torch_bytes: int = 0       # this process's device memory outside torch's allocator (see AcceleratorBackend)
     allocated_bytes: int = 0       # bytes this process's tensors hold now (0 where torch keeps no count: cpu)
+    peak_reserved_bytes: int = 0   # highest bytes the caching allocator held from the driver (0: it keeps none)
+
+    @property
+    def peak_torch_bytes(self) -> int:
+        """What torch took from the driver at its peak: the allocator's reserved bytes (allocated ones plus its cache
+        and fragmentation), or the allocated ones where there is no such allocator (the CPU)."""
+        return max(self.peak_reserved_bytes, self.peak_allocated_bytes)
 
 
 class Backend(ABC):
@@ -110,6 +117,13 @@ class Backend(ABC):
 class AcceleratorBackend(Backend):
     """Shared by npu and cuda: torch.npu mirrors torch.cuda's memory API.
 
+    Memory as the driver sees it: besides torch's allocator (reserved bytes), a process holds its runtime context,
+    library handles and workspaces outside torch. non_torch_bytes = device used (total - free) - reserved - the
+    device's use by others, where others' use is read from the driver (NVML: torch.cuda.device_memory_used) before
+    this process opens its context, so the context counts as ours. Where the driver cannot be asked (no NVML, or
+    torch_npu), others' use is taken when the backend starts, after the context: the context is then in the
+    planner's non_torch_margin_bytes, not in the measurement.
+
     `first` is the physical index of this backend's device 0: a rank process uses one device, its local rank
     on its host, and names and touches only that one."""
 
@@ -118,7 +132,10 @@ class AcceleratorBackend(Backend):
         self.mod = module
         self.first = first
         self.memory_cap = memory_bytes_per_device
-        self._non_torch_base = [self._non_torch_now(i) for i in range(count)]
+        before_context = [self._driver_used(i) for i in range(count)]
+        self._non_torch_base = [self._non_torch_now(i) if used is None else used
+                                for i, used in enumerate(before_context)]
+        self.context_counted = all(used is not None for used in before_context)
         if memory_bytes_per_device is not None:
             for i in range(count):
                 physical = self.mod.mem_get_info(self.first + i)[1]
@@ -126,6 +143,16 @@ class AcceleratorBackend(Backend):
                     raise BackendUnavailableError(
                         f"device.memory_bytes_per_device {memory_bytes_per_device:,} exceeds {self.device_name(i)}'s "
                         f"physical memory {physical:,}")
+
+    def _driver_used(self, index: int) -> int | None:
+        """The device's used bytes in the driver's view, read without opening a context (NVML); None: unknown."""
+        read = getattr(self.mod, "device_memory_used", None)
+        if read is None:
+            return None
+        try:
+            return int(read(self.first + index))
+        except Exception:  # noqa: BLE001 - no NVML (pynvml missing, driver without it): measure after the context
+            return None
 
     def device_name(self, index: int) -> str:
         return f"{self.kind}:{self.first + index}"
@@ -144,8 +171,9 @@ class AcceleratorBackend(Backend):
         if self.memory_cap is not None:
             total, free = self.memory_cap, min(free, self.memory_cap)
         grown = max(0, self._non_torch_now(index) - self._non_torch_base[index])
+        reserved = getattr(self.mod, "max_memory_reserved", None)
         return MemoryStats(total, free, self.mod.max_memory_allocated(physical), grown,
-                           self.mod.memory_allocated(physical))
+                           self.mod.memory_allocated(physical), 0 if reserved is None else reserved(physical))
 
     def reset_peak(self, index: int | None = None) -> None:
         for i in self._indices(index):

@@ -23,7 +23,7 @@ the step's block tables on the runtime pools.
 
 from __future__ import annotations
 
-import zlib
+import re
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +35,14 @@ from appliance.core.errors import CheckpointError
 from appliance.core.parallel import RankPlace
 from npu.dsv4.attention import Attention, rms_norm
 from npu.dsv4.hyper import hc_head, hc_post, hc_pre
-from npu.dsv4.moe import exchange_experts, route, routed_experts, swiglu
+from npu.dsv4.moe import exchange_experts, grouped_experts, grouped_mm_works, route, routed_experts, swiglu
 from npu.dsv4.mtp import STALE_STEPS, MtpHistory, catch_up_rows
 from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.dsv4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
-from npu.sampler import greedy_ids
 from npu.step import SeqStep, StepBatch
-from npu.weights import is_norm_weight
+from npu.weights import is_norm_weight, random_seed
 
 Held = torch.Tensor | QuantizedWeight
 
@@ -68,6 +67,10 @@ class DeepseekV4Runner(ModelRunner):
         self.mtp_history: dict[str, MtpHistory] = {}
         self.executed_steps = 0
         self.params: dict[str, Held] = {}
+        # On an accelerator: each MoE layer's routed experts stacked (w1, w3, w2 of [E, ...]), by "layers.L.ffn." /
+        # "mtp.0.ffn.", run by moe.grouped_experts (no host sync); grouped_mm: the device has a grouped GEMM.
+        self.expert_stacks: dict[str, tuple[Held, Held, Held]] = {}
+        self.grouped_mm = True
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
                                    self.weight, self.io, self.dtype)
@@ -87,10 +90,10 @@ class DeepseekV4Runner(ModelRunner):
         state = super().random_weights(seed, std, device)
         lay = self.model.layout
         for name, table in state.items():
-            if name.endswith(".tid2eid") and table.device.type != "meta":
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-                picks = torch.rand(lay.vocab_size, lay.num_experts, generator=gen).argsort(dim=-1)
-                state[name] = picks[:, :lay.num_experts_per_tok].to(table.dtype).to(table.device)
+            if name.endswith(".tid2eid") and table.device.type != "meta":     # made where it lives, as the rest
+                gen = torch.Generator(device=table.device).manual_seed(random_seed(seed, name))
+                picks = torch.rand(lay.vocab_size, lay.num_experts, generator=gen, device=table.device).argsort(dim=-1)
+                state[name] = picks[:, :lay.num_experts_per_tok].to(table.dtype)
         return state
 
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -111,11 +114,15 @@ class DeepseekV4Runner(ModelRunner):
                 held[w.name] = t.float()
             else:
                 held[w.name] = t
+        self.expert_stacks = {}
+        if self.device.type != "cpu" and self.place.expert == 1:   # routed experts as one grouped GEMM per layer
+            self.expert_stacks = stack_experts(held)
+            self.grouped_mm = grouped_mm_works(self.device, self.dtype)
         self.params = held
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [t for w in self.params.values()
-                for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
+        held = [*self.params.values(), *(w for stack in self.expert_stacks.values() for w in stack)]
+        return [t for w in held for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
 
     def weight(self, name: str) -> torch.Tensor:
         """A weight for the math: quantized matrices dequantized to the compute dtype now, others as held."""
@@ -138,7 +145,11 @@ class DeepseekV4Runner(ModelRunner):
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
                                  table=table, token_ids=ids)
         expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
-        if self.expert_parallel is None:
+        if p in self.expert_stacks:
+            w1, w3, w2 = (h.dequantize(self.dtype) if isinstance(h, QuantizedWeight) else h
+                          for h in self.expert_stacks[p])
+            routed = grouped_experts(x, weights, experts, w1, w3, w2, lay.swiglu_limit, self.grouped_mm)
+        elif self.expert_parallel is None:
             routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
         else:
             routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
@@ -163,14 +174,20 @@ class DeepseekV4Runner(ModelRunner):
         return hc_post(out, streams, post, comb)
 
     # -- steps -------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """One step under inference mode (as Qwen3Runner.execute): the model is hundreds of tiny ops per layer,
-        and no_grad still pays autograd's per-op bookkeeping (about 15% of a tiny-model decode step)."""
+    def prepare(self, batch: StepBatch) -> StepBatch:
+        """The host checks of a step. DeepSeek V4 lays out its step inside forward, from host data only (build_plan,
+        then one upload per plan), because drafting plans each MTP pass after the last: a draft's value stays on the
+        device and is written into the next plan's tokens there (_feed)."""
         if not self.params:
             raise RuntimeError("DeepseekV4Runner.execute: no weights; call load_weights() or set_weights() first")
         if not self.pools:
             raise RuntimeError("DeepseekV4Runner.execute: no pools; call allocate_pools() first")
+        return batch
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """One step under inference mode (as Qwen3Runner.forward): the model is hundreds of tiny ops per layer,
+        and no_grad still pays autograd's per-op bookkeeping (about 15% of a tiny-model decode step)."""
         for name in self.state_groups:
             if batch.new_pages.get(name):
                 self.zero_pages(name, batch.new_pages[name])
@@ -180,13 +197,13 @@ class DeepseekV4Runner(ModelRunner):
                 self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         self.executed_steps += 1
-        drafted: list[torch.Tensor] = []
-        seqs = batch.seqs
+        seqs, fed, drafted, drafts = batch.seqs, {}, [], {}
         passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
         if passes:
-            seqs, drafted = self._draft(seqs, passes, batch.worst_case)
+            seqs, fed, drafted, drafts = self._draft(seqs, passes, batch.worst_case)
         plan = build_plan(self.model, StepBatch(seqs, batch.new_pages, batch.worst_case), list(self.kinds.values()),
                           self.device)
+        _feed(plan, seqs, fed)
         x = self.weight("embed.weight")[plan.token_ids]
         streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
         rot = self.attention.rotations(plan)
@@ -194,7 +211,7 @@ class DeepseekV4Runner(ModelRunner):
             streams = self._block(layer, streams, plan, rot, batch.worst_case)
         logits = self._head(streams[plan.sample_index], "", "norm.weight")
         if self.drafts:
-            self._remember(batch.seqs, seqs, streams, batch.worst_case)
+            self._remember(batch.seqs, seqs, streams, batch.worst_case, drafts)
         return torch.cat([logits, *drafted]) if drafted else logits
 
     def _head(self, streams: torch.Tensor, hc_prefix: str, norm: str) -> torch.Tensor:
@@ -207,17 +224,19 @@ class DeepseekV4Runner(ModelRunner):
         return torch.nn.functional.linear(last, head).float()
 
     # -- MTP drafting (npu/dsv4/mtp.py) ----------------------------------------------------------------
-    def _mtp_pass(self, seqs: list[SeqStep], hidden: list[torch.Tensor], worst_case: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first MTP layer over `seqs` (rows i with their next tokens, as SeqSteps from row start_pos) and the
-        main streams at those rows (hidden[k]: [len(seqs[k].token_ids), hc, D]); (logits, output streams) of
-        each sequence's last row, in order. Later MTP layers are not run: the first one chains (as vLLM does)."""
+    def _mtp_pass(self, seqs: list[SeqStep], hidden: list[torch.Tensor], worst_case: bool,
+                  fed: Fed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP layer over `seqs` (rows i with their next tokens, as SeqSteps from row start_pos; `fed`: the
+        tokens only the device knows, see _feed) and the main streams at those rows (hidden[k]:
+        [len(seqs[k].token_ids), hc, D]); (logits, output streams) of each sequence's last row, in order. Later MTP
+        layers are not run: the first one chains (as vLLM does)."""
         lay, w, p = self.model.layout, self.weight, "mtp.0."
         if not seqs:                                    # nothing of this rank's: still serve the expert exchange
             self._mtp_experts_only()
             return torch.empty(0, lay.vocab_size, device=self.device), torch.empty(0, device=self.device)
         plan = build_plan(self.model, StepBatch(seqs, worst_case=worst_case), [], self.device,
                           window=MTP_WINDOW_GROUP)
+        _feed(plan, seqs, fed or {})
         h = torch.cat([hidden[i] for i in flat_order(seqs)])
         e = rms_norm(w("embed.weight")[plan.token_ids], w(p + "enorm.weight"), lay.rms_norm_eps)
         x = (F.linear(e, w(p + "e_proj.weight")).unsqueeze(1)
@@ -226,59 +245,69 @@ class DeepseekV4Runner(ModelRunner):
         last = streams[plan.sample_index]
         return self._head(last, p, p + "norm.weight"), last
 
-    def _draft(self, seqs: list[SeqStep], passes: int, worst_case: bool) -> tuple[list[SeqStep], list[torch.Tensor]]:
+    def _draft(self, seqs: list[SeqStep], passes: int, worst_case: bool
+               ) -> tuple[list[SeqStep], Fed, list[torch.Tensor], dict[str, torch.Tensor]]:
         """Each verifying row's drafts: the MTP layer catches up on the row's committed tokens (its last row
-        drafts the first token), then chains one row per further draft. Returns the step's rows with the drafts
-        appended (verified with every position's logits) and the drafter's logits of each drafting row's
-        tokens [num_draft, vocab], in batch order."""
+        drafts the first token), then chains one row per further draft. A draft is the argmax of its row, taken on
+        the device and fed to the next pass and to the verify rows there (no host sync). Returns the step's rows
+        with placeholder drafts appended (verified with every position's logits), the drafts to feed into them,
+        the drafter's logits of each drafting row [num_draft, vocab] in batch order, and each row's drafts by
+        request id (its MTP history keeps them)."""
         lay = self.model.layout
         spec = [s for s in seqs if s.num_draft]
         zero = lambda n: torch.zeros(n, lay.hc_mult, lay.hidden_size, dtype=self.dtype, device=self.device)  # noqa: E731
-        rows, hidden = [], []
-        for s in spec:
+        rows, hidden, fed = [], [], {}
+        for j, s in enumerate(spec):
             if len(s.token_ids) != 1:
                 raise ValueError(f"request {s.request_id!r}: a verifying row computes one token and its drafts, "
                                  f"got {len(s.token_ids)} tokens")
             history = self.mtp_history.get(s.request_id)
-            first, nexts, at = catch_up_rows(history, s.start_pos, s.token_ids[0])
+            catch = catch_up_rows(history, s.start_pos, s.token_ids[0])
             if worst_case and s.start_pos > 0:              # the profile: the longest catch-up a real step has
                 n = min(s.num_draft + 1, s.start_pos)
-                first, nexts, h = s.start_pos - n, [0] * n, zero(n)
-            elif history is None or not nexts:              # nothing held (a fresh history is written below)
-                first, nexts, h = max(s.start_pos - 1, 0), [s.token_ids[0]], zero(1)
+                first, tokens, h = s.start_pos - n, [0] * n, zero(n)
+            elif catch is None or history is None:          # nothing held (a fresh history is written below)
+                first, tokens, h = max(s.start_pos - 1, 0), [s.token_ids[0]], zero(1)
             else:
-                h = history.hidden[at]
-            rows.append(SeqStep(s.request_id, nexts, first, s.block_tables))
+                first, tokens, h = catch.first, catch.tokens, history.hidden[catch.hidden[0]:catch.hidden[1]]
+                if catch.fed is not None:
+                    fed[j] = catch.fed
+            rows.append(SeqStep(s.request_id, tokens, first, s.block_tables))
             hidden.append(h)
-        drafts: list[list[int]] = [[] for _ in spec]
+        drafts: list[list[torch.Tensor]] = [[] for _ in spec]
         logits: list[list[torch.Tensor]] = [[] for _ in spec]
         for k in range(passes):
             live = [i for i, s in enumerate(spec) if s.num_draft > k]
-            out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case)
-            for j, (i, token) in enumerate(zip(live, greedy_ids(out))):
-                drafts[i].append(token)
-                logits[i].append(out[j:j + 1])
-                hidden[i] = last[j:j + 1]
-                rows[i] = SeqStep(spec[i].request_id, [token], spec[i].start_pos + k, spec[i].block_tables)
-        by_id = {id(s): i for i, s in enumerate(spec)}
+            out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case,
+                                       {n: fed[i] for n, i in enumerate(live) if i in fed})
+            tokens = out.argmax(dim=-1)                     # the drafts, on the device (first maximum on ties)
+            fed = {}
+            for n, i in enumerate(live):
+                drafts[i].append(tokens[n:n + 1])
+                logits[i].append(out[n:n + 1])
+                hidden[i] = last[n:n + 1]
+                rows[i] = SeqStep(spec[i].request_id, [0], spec[i].start_pos + k, spec[i].block_tables)
+                fed[i] = (0, tokens[n:n + 1])
+        by_id = {id(s): j for j, s in enumerate(spec)}
         verify = [s if not s.num_draft else
-                  SeqStep(s.request_id, s.token_ids + drafts[by_id[id(s)]], s.start_pos, s.block_tables,
+                  SeqStep(s.request_id, s.token_ids + [0] * s.num_draft, s.start_pos, s.block_tables,
                           prompt_len=s.prompt_len, all_logits=True) for s in seqs]
-        return verify, [torch.cat(logits[i]) for i in range(len(spec))]
+        row_drafts = {s.request_id: torch.cat(drafts[j]) for j, s in enumerate(spec)}
+        verify_fed = {i: (1, row_drafts[s.request_id]) for i, s in enumerate(seqs) if s.num_draft}
+        return verify, verify_fed, [torch.cat(logits[j]) for j in range(len(spec))], row_drafts
 
-    def _remember(self, asked: list[SeqStep], ran: list[SeqStep], streams: torch.Tensor, worst_case: bool) -> None:
+    def _remember(self, asked: list[SeqStep], ran: list[SeqStep], streams: torch.Tensor, worst_case: bool,
+                  drafts: dict[str, torch.Tensor]) -> None:
         """Keep each sequence's final main streams for its next drafting; a prefill chunk [s, e) first writes its
-        MTP rows up to e - 2 (row s - 1 from the history, when held)."""
-        offsets, at = {}, 0
-        for i in flat_order(ran):
-            offsets[i] = at
-            at += len(ran[i].token_ids)
+        MTP rows up to e - 2 (row s - 1 from the history, when held). A verifying row's history keeps its drafts
+        as device tokens (MtpHistory.drafted)."""
+        offsets = flat_starts(ran)
         rows, hidden, kept = [], [], []
         for i, (a, s) in enumerate(zip(asked, ran)):
             h = streams[offsets[i]:offsets[i] + len(s.token_ids)]
             if a.num_draft:
-                self.mtp_history[s.request_id] = MtpHistory(s.start_pos, tuple(s.token_ids), h.clone(), s.start_pos,
-                                                            self.executed_steps)
+                self.mtp_history[s.request_id] = MtpHistory(s.start_pos, tuple(a.token_ids), h.clone(), s.start_pos,
+                                                            self.executed_steps, drafts[s.request_id])
                 continue
             history = self.mtp_history.get(s.request_id)
             before = history.hidden_at(s.start_pos - 1) if history is not None and not worst_case else None
@@ -317,3 +346,53 @@ class DeepseekV4Runner(ModelRunner):
         x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
         self._moe(self.model.layout.num_layers, x, torch.zeros(0, dtype=torch.long, device=self.device), False,
                   "mtp.0.")
+
+
+# Tokens of a step's rows that only the device knows (drafts): batch index -> (offset in the row's token_ids,
+# device tensor of the tokens there). The row's token_ids hold placeholders at those offsets.
+Fed = dict[int, tuple[int, torch.Tensor]]
+
+
+def flat_starts(seqs: list[SeqStep]) -> dict[int, int]:
+    """Batch index -> the flat row of its first token in a plan of `seqs` (paging.flat_order)."""
+    out, at = {}, 0
+    for i in flat_order(seqs):
+        out[i] = at
+        at += len(seqs[i].token_ids)
+    return out
+
+
+def _feed(plan: StepPlan, seqs: list[SeqStep], fed: Fed) -> None:
+    """Write the fed tokens into the plan's token ids, on the plan's device (the plan was built from placeholders)."""
+    if not fed:
+        return
+    starts = flat_starts(seqs)
+    for i, (offset, tokens) in fed.items():
+        at = starts[i] + offset
+        plan.token_ids[at:at + tokens.shape[0]] = tokens
+
+
+EXPERT_WEIGHT = re.compile(r"(.*ffn\.)experts\.(\d+)\.(w1|w3|w2)\.weight$")
+
+
+def stack_experts(held: dict[str, Held]) -> dict[str, tuple[Held, Held, Held]]:
+    """Move every routed expert of `held` into per-layer stacks: prefix -> (w1, w3, w2), each [E, out, in] (as stored:
+    quantized ones keep their values and scales, stacked alike). The per-expert entries leave `held`, so nothing is
+    held twice."""
+    found: dict[str, dict[str, dict[int, Held]]] = {}
+    for name in [n for n in held if EXPERT_WEIGHT.match(n)]:
+        prefix, expert, which = EXPERT_WEIGHT.match(name).groups()  # type: ignore[union-attr]
+        found.setdefault(prefix, {}).setdefault(which, {})[int(expert)] = held.pop(name)
+    return {prefix: tuple(_stack(f"{prefix}experts.*.{w}.weight", [parts[w][e] for e in sorted(parts[w])])
+                          for w in ("w1", "w3", "w2"))  # type: ignore[misc]
+            for prefix, parts in found.items()}
+
+
+def _stack(name: str, weights: list[Held]) -> Held:
+    def stacked(ts: list[torch.Tensor]) -> torch.Tensor:     # through bytes: cat has no kernel for fp4 / e8m0
+        return torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
+    if isinstance(weights[0], QuantizedWeight):
+        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+        return QuantizedWeight(name, stacked([w.values for w in quantized]), stacked([w.scale for w in quantized]),
+                               quantized[0].block)
+    return torch.stack([w for w in weights if isinstance(w, torch.Tensor)])

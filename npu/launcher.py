@@ -12,8 +12,10 @@
 5. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run every step of
    appliance.core.step_limits.worst_steps (the heaviest steps the scheduler can issue: it reads the same
    step_limits) and the sampler at its largest batch with temperature, top-k and top-p, then read each
-   device's probe; peak_non_kv = peak allocated + non-torch growth - the scratch pools (the planner counts
-   scratch itself);
+   device's probe as the driver sees it; peak_non_kv = the caching allocator's peak reserved bytes (allocated
+   ones, its cache and fragmentation; the CPU: allocated) + this process's memory outside torch (runtime context,
+   library workspaces) - the scratch pools (the planner counts scratch itself); then free the scratch pools and
+   empty the allocator's cache, so the pools are planned and allocated from the memory the driver reports;
 6. appliance.core.planner.plan_capacity on those numbers and the config's non-torch margin (the same
    function and margin mode=plan uses);
 7. allocate every group's pool (plan blocks + decode_batch scratch pages); when an allocation fails, free
@@ -86,6 +88,7 @@ class Measurement:
     devices: tuple[DeviceMemory, ...]
     peak_allocated_bytes: tuple[int, ...]   # probe peak per device (weights + scratch pools + activations)
     non_torch_bytes: tuple[int, ...]
+    peak_reserved_bytes: tuple[int, ...]    # the caching allocator's peak (allocated + its cache and fragmentation)
     scratch_pool_bytes: int
     profiled_steps: tuple[str, ...]         # "name: tokens over seqs" of each worst step, then the sampler
     load_seconds: float
@@ -167,20 +170,39 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, at_start: 
             stats = probe_devices(backend)
         finally:
             runner.free_pools()
+            gc.collect()
+            backend.empty_cache()       # the profile's cached blocks go back: the pools are planned without them
         return ran, stats, time.perf_counter() - t0
 
     ran, stats, profile_s = phase("profiling", profile)
-    ref = stats[RUNNER_DEVICE].peak_allocated_bytes + stats[RUNNER_DEVICE].non_torch_bytes
+    ref = stats[RUNNER_DEVICE].peak_torch_bytes + stats[RUNNER_DEVICE].non_torch_bytes
     margin = non_torch_margin(rc.device, backend.kind)
     devices = []
     for i, (start, s) in enumerate(zip(at_start, stats)):
-        peak = max(s.peak_allocated_bytes + s.non_torch_bytes, ref) - scratch
+        peak = max(s.peak_torch_bytes + s.non_torch_bytes, ref) - scratch
         devices.append(DeviceMemory(rank_device_name(backend, i, runner.place), start.total_bytes, start.free_bytes,
                                     max(0, peak), margin))
     log.info("profiled %d steps in %.2f s: peak non-KV %s", len(ran), profile_s,
              ", ".join(f"{d.name} {d.peak_non_kv_bytes:,} B" for d in devices[:4]) + (" ..." if len(devices) > 4 else ""))
     return Measurement(tuple(devices), tuple(s.peak_allocated_bytes for s in stats),
-                       tuple(s.non_torch_bytes for s in stats), scratch, ran, load_s, profile_s)
+                       tuple(s.non_torch_bytes for s in stats), tuple(s.peak_reserved_bytes for s in stats), scratch,
+                       ran, load_s, profile_s)
+
+
+def memory_note(m: Measurement, backend: Backend) -> str:
+    """How peak_non_kv was measured on the runner's device, each part named (the startup report's note)."""
+    name = m.devices[RUNNER_DEVICE].name
+    allocated, reserved = m.peak_allocated_bytes[RUNNER_DEVICE], m.peak_reserved_bytes[RUNNER_DEVICE]
+    outside = m.non_torch_bytes[RUNNER_DEVICE]
+    if backend.kind == "cpu":
+        return (f"peak_non_kv = peak allocated - scratch pools ({m.scratch_pool_bytes:,} B); {name} measured "
+                f"{allocated:,} B allocated at peak")
+    context = ("its runtime context included (others' use read from the driver before it opened)"
+               if getattr(backend, "context_counted", False) else
+               "its runtime context not included (no NVML): non_torch_margin_bytes covers it")
+    return (f"peak_non_kv = allocator peak reserved + memory outside torch - scratch pools ({m.scratch_pool_bytes:,} "
+            f"B); {name} measured {allocated:,} B allocated and {reserved:,} B reserved at peak, {outside:,} B outside "
+            f"torch ({context})")
 
 
 def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: CapacityPlan,
@@ -327,8 +349,7 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None, runner: ModelRunne
     alloc_s = time.perf_counter() - t0
     notes = [
         "profiled on scratch pages: " + "; ".join(m.profiled_steps),
-        f"peak_non_kv = probe peak allocated + non-torch growth - scratch pools ({m.scratch_pool_bytes:,} B); "
-        f"{m.devices[RUNNER_DEVICE].name} measured {m.peak_allocated_bytes[RUNNER_DEVICE]:,} B allocated at peak",
+        memory_note(m, backend),
     ]
     if group is not None:
         notes.append(f"{place.world} ranks (tensor {place.tensor} x data {place.data}, expert {place.expert}): each "

@@ -25,35 +25,65 @@ UE8M0_NAN = 0xFF
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A matrix held as stored: values and ue8m0 scales, dequantized to the compute dtype when used."""
+    """A matrix held as stored: values and ue8m0 scales, dequantized to the compute dtype when used. Values and
+    scales may carry leading dimensions (a stack of experts [E, out, in]): each matrix dequantizes alike."""
 
     name: str
-    values: torch.Tensor       # float8_e4m3fn [out, in] or float4_e2m1fn_x2 [out, in / 2]
+    values: torch.Tensor       # float8_e4m3fn [..., out, in] or float4_e2m1fn_x2 [..., out, in / 2]
     scale: torch.Tensor        # float8_e8m0fnu
     block: int                 # FP8: square block size; FP4: FP4_BLOCK values per scale along a row
 
     def check(self) -> "QuantizedWeight":
         """Raise CheckpointError now (at load) for a 0xFF scale, instead of NaNs when the layer runs (shape-only
-        weights on the meta device have no values to check)."""
+        weights on the meta device have no values to check). The step's dequantize trusts the scales after this."""
         if self.scale.device.type != "meta":
             ue8m0_to_float(self.scale, self.name)
         return self
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.values.dtype == torch.float4_e2m1fn_x2:
-            return dequantize_fp4(self.values, self.scale, dtype, self.name)
-        return dequantize_fp8(self.values, self.scale, self.block, dtype, self.name)
+        """The matrix (or stack) in `dtype`, computed on the values' device with no host sync (the scales were
+        checked at load). A stack is dequantized a few matrices at a time into its output, so the float32
+        temporaries stay near DEQUANT_CHUNK_VALUES values whatever the stack's size (256 experts of 2048 x 4096
+        would otherwise take tens of GB of temporaries)."""
+        if self.values.dim() == 2:
+            return self._dequantize(self.values, self.scale, dtype)
+        out = torch.empty(self.shape, dtype=dtype, device=self.values.device)
+        step = max(1, DEQUANT_CHUNK_VALUES // max(1, self.shape[-2] * self.shape[-1]))
+        for lo in range(0, out.shape[0], step):
+            out[lo:lo + step] = self._dequantize(self.values[lo:lo + step], self.scale[lo:lo + step], dtype)
+        return out
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dequantized shape: FP4 packs two values per stored byte."""
+        packed = 2 if self.values.dtype == torch.float4_e2m1fn_x2 else 1
+        return (*self.values.shape[:-1], self.values.shape[-1] * packed)
+
+    def _dequantize(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if values.dtype == torch.float4_e2m1fn_x2:
+            return dequantize_fp4(values, scale, dtype, check=False)
+        return dequantize_fp8(values, scale, self.block, dtype, check=False)
+
+
+# Values a stacked weight is dequantized at a time (each takes about 20 bytes of temporaries on the way).
+DEQUANT_CHUNK_VALUES = 1 << 27
 
 
 def ue8m0_to_float(scale: torch.Tensor, name: str) -> torch.Tensor:
-    """Scales as float32 powers of two; a 0xFF byte (NaN in ue8m0) is a CheckpointError naming the tensor."""
+    """Scales as float32 powers of two; a 0xFF byte (NaN in ue8m0) is a CheckpointError naming the tensor (a check
+    that reads the values on the host: at load, never inside a step)."""
     bits = scale.view(torch.uint8)
     bad = bits == UE8M0_NAN
     if bad.any():
         where = tuple(bad.nonzero()[0].tolist())
         raise CheckpointError(f"{name}: ue8m0 scale byte 0xFF (NaN) at index {list(where)} "
                               f"({int(bad.sum())} such scale(s)); the checkpoint is corrupt or not ue8m0")
-    return torch.exp2(bits.to(torch.float32) - 127.0)
+    return ue8m0_values(scale)
+
+
+def ue8m0_values(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float32 powers of two, unchecked (a 0xFF byte gives 2 ** 128 = inf): for scales checked at load."""
+    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
 
 
 def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -68,10 +98,11 @@ def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype,
-                   name: str = "weight") -> torch.Tensor:
-    out, inp = values.shape
-    s = ue8m0_to_float(scale, name).to(values.device)
-    s = s.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+                   name: str = "weight", check: bool = True) -> torch.Tensor:
+    """e4m3 values [..., out, in] with one scale per [block, block] tile -> dtype (check: refuse 0xFF scales)."""
+    out, inp = values.shape[-2:]
+    s = ue8m0_to_float(scale, name) if check else ue8m0_values(scale)
+    s = s.repeat_interleave(block, -2)[..., :out, :].repeat_interleave(block, -1)[..., :inp]
     return (values.to(torch.float32) * s).to(dtype)
 
 
@@ -90,15 +121,20 @@ def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    """The 16 e2m1 values, made on `device` from one arange (no host data: nothing to upload inside a step)."""
+    code = torch.arange(16, device=device)
+    mantissa, exponent = code & 1, (code >> 1) & 3
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, (1 + mantissa * 0.5) * torch.exp2(exponent - 1.0))
+    return torch.where(code >= 8, -magnitude, magnitude).to(torch.float32)
 
 
-def dequantize_fp4(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+def dequantize_fp4(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str = "weight",
+                   check: bool = True) -> torch.Tensor:
+    """e2m1 values two per byte [..., out, in / 2] with one scale per FP4_BLOCK values of a row -> dtype."""
     packed = values.view(torch.uint8)
-    out, half = packed.shape
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(out, 2 * half)     # low nibble first
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)      # low nibble first
     w = _e2m1_table(packed.device)[nibbles.long()]
-    s = ue8m0_to_float(scale, name).to(packed.device).repeat_interleave(FP4_BLOCK, 1)
+    s = (ue8m0_to_float(scale, name) if check else ue8m0_values(scale)).repeat_interleave(FP4_BLOCK, -1)
     return (w * s).to(dtype)
 
 
@@ -109,7 +145,7 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.to(torch.float32).view(out, inp // FP4_BLOCK, FP4_BLOCK)
     scale = _pow2_at_least(w.abs().amax(dim=-1) / FP4_MAX)                              # [out, inp / 32]
     scaled = (w / scale[..., None]).view(out, inp)
-    table = _e2m1_table(weight.device)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)
     codes = (scaled.abs()[..., None] - table[:8]).abs().argmin(dim=-1)                 # nearest magnitude 0..7
     codes = torch.where((scaled < 0) & (codes > 0), codes + 8, codes).to(torch.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)

@@ -179,8 +179,8 @@ class Qwen3Runner(ModelRunner):
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # -- step --------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def prepare(self, batch: StepBatch) -> "_StepLayout | None":
+        """The host half of a step: every index of the flat batch in one host tensor (None: nothing to run)."""
         if self.embed is None:
             raise RuntimeError("Qwen3Runner.execute before load_weights()/set_weights()")
         if KV not in self.pools:
@@ -188,19 +188,30 @@ class Qwen3Runner(ModelRunner):
         if self.place.tensor > 1 and self.tensor_parallel is None:
             raise RuntimeError("Qwen3Runner.execute on a tensor-parallel rank before use_collectives()")
         if not batch.seqs:
-            return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
+            return None
         pool = self.pools[KV]
         if not pool.is_contiguous():
             raise ValueError("the kv pool must be contiguous")
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
-        rows = pool.view(-1, half)
-        paged = self.paged_decode is not None and pool.dtype == self.dtype
-        meta = _StepMeta.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, self._arange,
-                               self._parity, self.device, fused=self.fused_attention is not None, paged=paged)
+        return _StepLayout.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
+                                 fused=self.fused_attention is not None, paged=self._paged(pool))
+
+    def _paged(self, pool: torch.Tensor) -> bool:
+        return self.paged_decode is not None and pool.dtype == self.dtype
+
+    @torch.inference_mode()
+    def forward(self, layout: "_StepLayout | None") -> torch.Tensor:
+        """The device half: uploads the step's indices, then the layers; no host sync."""
+        if layout is None:
+            return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
+        pool = self.pools[KV]
+        rows = pool.view(-1, self.num_kv_heads * self.head_dim)
+        meta = _StepMeta.upload(layout, self._arange, self._parity, self.device)
         kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
         rope = self._rope(meta.positions, meta.max_pos)
 
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
+        half = kvh * hd
         norms = self.norms
         x = F.embedding(meta.tokens, self.embed)         # the residual stream, updated in place from here
         h = norms.rms_norm(x, self.layers[0].input_norm)
@@ -209,7 +220,7 @@ class Qwen3Runner(ModelRunner):
             norms.qk_norm_rope_(qkv, nh + kvh, layer.qk_norm, rope)   # q and k heads in place: qkv is q | k | v
             rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
             q = qkv[:, :nh * hd].view(n, nh, hd)
-            if self.fused_attention is not None:
+            if self.fused_attention is not None and meta.fused is not None:
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
             else:
                 attn = self._attend(pool, li, qkv, q, meta)
@@ -243,7 +254,9 @@ class Qwen3Runner(ModelRunner):
                 continue
             kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
             qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
-            parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).view(d.count, nh, hd))
+            # reshape, not view: the output's memory layout is the kernel's choice (CUDA's fused kernels return
+            # [count, group, kvh, hd] memory seen as [count, kvh, group, hd])
+            parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).reshape(d.count, nh, hd))
         for p in meta.prefills:
             chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
             qp = chunk[:, :, :nh].transpose(1, 2)      # [count, nh, len, hd]
@@ -318,27 +331,29 @@ def _causal_mask(cols: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _StepMeta:
-    """Flat token batch (decode tokens first, then prefill chunks) and index data, built once per step.
+class _StepLayout:
+    """The host half of a step's metadata (ModelRunner.prepare): the flat batch's integers in one host tensor
+    (tokens, positions, write rows, pages, sampled rows) and, as plain ints, how its rows split into decode buckets
+    and prefill chunks. Nothing here touches the device; _StepMeta.upload makes the device half from it.
 
-    Integer fields are computed on the host in plain Python and converted as one tensor through
-    array.array (torch.tensor(list) is several times slower), which also makes one host-to-device copy
-    on accelerators; page ids are range-checked there by one min/max."""
+    Flat order: decode rows (by decreasing context when that splits them into buckets), then chunks from position
+    0 by length, then chunks after cached tokens by start and length (equal lengths, and for cached chunks equal
+    starts, share one attention call). Page ids are range-checked here by one min/max."""
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    write_rows: torch.Tensor           # K-plane row (layer 0, in rows of kv_heads * head_dim) of each token
-    sample_index: torch.Tensor | None  # flat rows to sample, in batch order; None: every row, in order
+    host: torch.Tensor                 # int64: tokens, positions, write rows [n each], pages, sampled rows
     num_tokens: int
+    num_pages: int
+    num_sample: int
+    all_rows: bool                     # every row is sampled, in order: no index_select at the end
     max_pos: int
-    decodes: list[_Decode]             # buckets of decode rows by context length, in flat order
-    prefills: list[_Prefill]
-    fused: FusedStep | None            # the fused kernel's arguments, when the runner uses it
+    decodes: list[tuple[int, int, int, int, int]]   # buckets: (first row, rows, width in pages, min pos, max pos)
+    chunks: list[tuple[int, int, int, int]]         # prefill chunks: (first row, length, start_pos, pages used)
+    paged: bool                        # decode rows for the CPU paged kernel (no padding mask)
+    fused: tuple[torch.Tensor, list[int], list[int]] | None   # the fused kernel's host block table and lengths
 
     @staticmethod
-    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int,
-              arange: Callable[[int], torch.Tensor], parity: torch.Tensor, device: torch.device,
-              fused: bool = False, paged: bool = False) -> "_StepMeta":
+    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, fused: bool = False,
+              paged: bool = False) -> "_StepLayout":
         dec: list[tuple[int, SeqStep, list[int]]] = []     # (index in batch, seq, pages covering its context)
         chunks: list[tuple[int, SeqStep, list[int]]] = []
         for i, s in enumerate(seqs):
@@ -351,9 +366,6 @@ class _StepMeta:
                 raise ValueError(f"request {s.request_id}: block table {KV!r} covers "
                                  f"{0 if table is None else len(table) * block_size} tokens, the step needs {end}")
             (dec if n == 1 else chunks).append((i, s, table[:-(-end // block_size)]))
-        # Flat order: decode rows (by decreasing context when that splits them into buckets), then chunks
-        # from position 0 by length, then chunks after cached tokens by start and length (equal lengths, and
-        # for cached chunks equal starts, share one attention call).
         buckets = [(0, len(dec))] if dec else []
         if not paged and len(dec) > 1 and max(len(e[2]) for e in dec) >= 2 * min(len(e[2]) for e in dec):   # else no split
             by_width = sorted(dec, key=lambda e: -len(e[2]))
@@ -369,14 +381,17 @@ class _StepMeta:
         for r, (i, _, _) in enumerate(dec):
             last_row[i] = r
         pages: list[int] = []
-        widths = []
+        decodes = []
         for lo, hi in buckets:
-            widths.append(max(len(used) for _, _, used in dec[lo:hi]))
+            width = max(len(used) for _, _, used in dec[lo:hi])
             for _, _, used in dec[lo:hi]:
                 pages += used
-                pages += [0] * (widths[-1] - len(used))
+                pages += [0] * (width - len(used))
+            decodes.append((lo, hi - lo, width, min(positions[lo:hi]), max(positions[lo:hi])))
+        chunk_rows = []
         for i, s, used in chunks:
             end = s.start_pos + len(s.token_ids)
+            chunk_rows.append((len(tokens), len(s.token_ids), s.start_pos, len(used)))
             tokens += s.token_ids
             positions += range(s.start_pos, end)
             rows += [used[p // block_size] * page_stride + p % block_size for p in range(s.start_pos, end)]
@@ -384,57 +399,81 @@ class _StepMeta:
             last_row[i] = len(tokens) - 1
         sample = [last_row[i] - len(s.token_ids) + 1 + k for i, s in enumerate(seqs) for k in logits_offsets(s)]
         n = len(tokens)
-        all_rows = len(sample) == n and sample == list(range(n))   # then no index_select at the end
         host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)
-        lo, hi = (int(v) for v in torch.aminmax(host[3 * n:3 * n + len(pages)]))
-        if lo < 0 or hi >= num_pages:           # one check per step; name the culprit only on failure
+        if pages and (min(pages) < 0 or max(pages) >= num_pages):   # name the culprit only on failure
             bad = next(s for _, s, used in dec + chunks if not 0 <= min(used) <= max(used) < num_pages)
             raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "
                              f"in {bad.block_tables[KV]}")
-        t_tok, t_pos, t_rows, t_pages, t_sample = host.to(device).split([n, n, n, len(pages), len(sample)])
+        return _StepLayout(host, n, len(pages), len(sample), len(sample) == n and sample == list(range(n)),
+                           max(positions), decodes, chunk_rows, paged,
+                           _fused_step([e[1:] for e in dec + chunks]) if fused else None)
+
+
+@dataclass
+class _StepMeta:
+    """The device half of a step's metadata, built once per step from a _StepLayout: one upload of its host tensor,
+    then the decode buckets' page planes and masks and the prefill groups, for every layer to reuse."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor           # K-plane row (layer 0, in rows of kv_heads * head_dim) of each token
+    sample_index: torch.Tensor | None  # flat rows to sample, in batch order; None: every row, in order
+    num_tokens: int
+    max_pos: int
+    decodes: list[_Decode]             # buckets of decode rows by context length, in flat order
+    prefills: list[_Prefill]
+    fused: FusedStep | None            # the fused kernel's arguments, when the runner uses it
+
+    @staticmethod
+    def upload(layout: _StepLayout, arange: Callable[[int], torch.Tensor], parity: torch.Tensor,
+               device: torch.device) -> "_StepMeta":
+        n = layout.num_tokens
+        t_tok, t_pos, t_rows, t_pages, t_sample = layout.host.to(device, non_blocking=True).split(
+            [n, n, n, layout.num_pages, layout.num_sample])
         # Plane ids in a layer's [2 * pages, ...] view: row 0 the K planes (2p), row 1 the V planes (2p + 1). A
         # run of pages [a, b) is read as planes[:, a:b] flattened: K planes, then V planes (a view for one run).
         planes = t_pages * 2 + parity                   # parity: [[0], [1]]
 
         decodes, at = [], 0
-        for (lo, hi), width in zip(buckets, widths):
-            first, last = min(positions[lo:hi]), max(positions[lo:hi])
-            span = slice(at, at + (hi - lo) * width)
-            if paged:                                   # no padding to mask: each row stops at its own length
-                decodes.append(_Decode(lo, hi - lo, None, last + 1, None, t_pages[span].view(hi - lo, width),
-                                       t_pos[lo:hi] + 1))
+        for lo, count, width, first, last in layout.decodes:
+            span = slice(at, at + count * width)
+            if layout.paged:                            # no padding to mask: each row stops at its own length
+                decodes.append(_Decode(lo, count, None, last + 1, None, t_pages[span].view(count, width),
+                                       t_pos[lo:lo + count] + 1))
             else:
-                mask = None if first == last else _causal_mask(arange(last + 1), t_pos[lo:hi]).view(hi - lo, 1, 1, -1)
-                decodes.append(_Decode(lo, hi - lo, planes[:, span].reshape(-1), last + 1, mask))
-            at += (hi - lo) * width
+                mask = None if first == last else \
+                    _causal_mask(arange(last + 1), t_pos[lo:lo + count]).view(count, 1, 1, -1)
+                decodes.append(_Decode(lo, count, planes[:, span].reshape(-1), last + 1, mask))
+            at += count * width
         prefills: list[_Prefill] = []
-        for i, s, used in chunks:
-            length, end = len(s.token_ids), s.start_pos + len(s.token_ids)
-            first = last_row[i] - length + 1
+        for first, length, start, used in layout.chunks:
+            end = start + length
             prev = prefills[-1] if prefills else None
-            if (s.start_pos > 0 and prev is not None and prev.planes is not None and (prev.length, prev.ctx) == (length, end)
+            if (start > 0 and prev is not None and prev.planes is not None and (prev.length, prev.ctx) == (length, end)
                     and (prev.count + 1) * end <= GROUP_GATHER_TOKENS):
                 prev.count += 1                         # the same start and length: pages gathered together
-                group = at - (prev.count - 1) * len(used)      # where the first chunk's pages start
-                prev.planes = planes[:, group:at + len(used)].reshape(-1)
-            elif s.start_pos > 0:
+                group = at - (prev.count - 1) * used    # where the first chunk's pages start
+                prev.planes = planes[:, group:at + used].reshape(-1)
+            elif start > 0:
                 mask = _causal_mask(arange(end), t_pos[first:first + length])
-                prefills.append(_Prefill(first, 1, length, planes[:, at:at + len(used)].reshape(-1), end, mask))
+                prefills.append(_Prefill(first, 1, length, planes[:, at:at + used].reshape(-1), end, mask))
             elif prefills and prefills[-1].planes is None and prefills[-1].length == length:
                 prefills[-1].count += 1
             else:
                 prefills.append(_Prefill(first, 1, length))
-            at += len(used)
-        fused_step = _fused_step([e[1:] for e in dec + chunks], device) if fused else None
-        return _StepMeta(t_tok, t_pos, t_rows, None if all_rows else t_sample, n, max(positions), decodes, prefills,
-                         fused_step)
+            at += used
+        fused = None
+        if layout.fused is not None:
+            table, query_ends, kv_lengths = layout.fused
+            fused = FusedStep(table.to(device, non_blocking=True), query_ends, kv_lengths)
+        return _StepMeta(t_tok, t_pos, t_rows, None if layout.all_rows else t_sample, n, layout.max_pos, decodes,
+                         prefills, fused)
 
 
-def _fused_step(order: list[tuple[SeqStep, list[int]]], device: torch.device) -> FusedStep:
-    """The fused kernel's block table and lengths for sequences in flat-batch order (each its pages)."""
+def _fused_step(order: list[tuple[SeqStep, list[int]]]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The fused kernel's host block table and lengths for sequences in flat-batch order (each its pages)."""
     width = max(len(used) for _, used in order)
     table = array.array("i", [2 * p for _, used in order for p in used + [0] * (width - len(used))])
     query_ends = list(itertools.accumulate(len(s.token_ids) for s, _ in order))
     kv_lengths = [s.start_pos + len(s.token_ids) for s, _ in order]
-    block_table = torch.frombuffer(table, dtype=torch.int32).view(len(order), width).to(device)
-    return FusedStep(block_table, query_ends, kv_lengths)
+    return torch.frombuffer(table, dtype=torch.int32).view(len(order), width), query_ends, kv_lengths

@@ -14,7 +14,7 @@ and read strides from these tensors, so no pool size is baked into any shape.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -156,10 +156,24 @@ class ModelRunner(ABC):
             pool[:, start:stop].zero_()
 
     # -- steps -------------------------------------------------------------------------------------
-    @abstractmethod
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return logits [number of seqs with sample=True, vocab], in batch order, in float32 or
-        the model's compute dtype (as transformers and vLLM models do: the sampler widens what it reads)."""
+        the model's compute dtype (as transformers and vLLM models do: the sampler widens what it reads).
+
+        Two halves: `prepare` on the host, then `forward` on the device. The device half is free of host syncs
+        (no `.tolist()`, `.item()`, `bool(t)`, `.cpu()` or data-dependent shapes) and keeps every operand on the
+        runner's device, so a GPU or NPU runs it without waiting and it could be captured as a graph;
+        tests/npu/test_device_guard.py runs it on fake CUDA tensors, where either mistake fails."""
+        return self.forward(self.prepare(batch))
+
+    @abstractmethod
+    def prepare(self, batch: StepBatch) -> Any:
+        """The host half of a step: check the batch and lay out its indices as host tensors and plain ints (never
+        read or make a device tensor's values here). Its result is what `forward` takes."""
+
+    @abstractmethod
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """The device half: upload `prepare`'s result and run the model; no host sync, no host operand."""
 
     def execute_partitions(self, batches: Sequence[StepBatch]) -> torch.Tensor:
         """The StepExecutor interface: a runner is one data-parallel rank, so it steps exactly one batch."""

@@ -49,21 +49,28 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
 LOGPROB_ROWS = 256
 
 
+def logprob_tensors(logits: torch.Tensor, ids: torch.Tensor, num_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device half of token_logprobs for rows of logits [R, vocab] and token ids [R] on the same device:
+    (chosen logprob [R], rank [R], top logprobs [R, num_top], top ids [R, num_top]) under log_softmax (float32)."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, ids[:, None])
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], ids[:, None][:, :0])
+    return chosen.squeeze(1), ranks, top_lp, top_ids
+
+
 @torch.inference_mode()
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """Row i: the logprob and rank of token_ids[i] and the num_top[i] most likely tokens under log_softmax(logits[i])
     (float32, the raw logits: the model's distribution, before temperature or top-k/top-p). Computed where the
-    logits are; only those few numbers per row come to the host, never a vocabulary-wide row."""
+    logits are (logprob_tensors); only those few numbers per row come to the host, never a vocabulary-wide row."""
     out: list[TokenLogprob] = []
     for lo in range(0, len(token_ids), LOGPROB_ROWS):
         hi = min(lo + LOGPROB_ROWS, len(token_ids))
-        lp = logits[lo:hi].float().log_softmax(dim=-1)
-        ids = torch.tensor(token_ids[lo:hi], device=logits.device)
-        chosen = lp.gather(1, ids[:, None])
-        ranks = (lp > chosen).sum(dim=-1) + 1
-        k = max(num_top[lo:hi])
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
-        chosen_h, ranks_h = chosen.squeeze(1).tolist(), ranks.tolist()
+        ids = torch.tensor(token_ids[lo:hi]).to(logits.device, non_blocking=True)
+        chosen, ranks, top_lp, top_ids = logprob_tensors(logits[lo:hi], ids, max(num_top[lo:hi]))
+        chosen_h, ranks_h = chosen.tolist(), ranks.tolist()
         top_lp_h, top_ids_h = top_lp.tolist(), top_ids.tolist()
         for r in range(hi - lo):
             n = num_top[lo + r]
@@ -90,7 +97,7 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
     if device.type == "cpu":
         bits = numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=-1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits == 0)
-    return ~allowed_tokens(bitmask.to(device), vocab_size)
+    return ~allowed_tokens(bitmask.to(device, non_blocking=True), vocab_size)
 
 
 @torch.inference_mode()
@@ -128,28 +135,49 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> list[int]:
-        """logits [len(rows), vocab] -> one token id per row."""
+        """logits [len(rows), vocab] -> one token id per row, on the host. On a CPU greedy rows take numpy's argmax
+        (greedy_ids); on a device every row is drawn there (draw) and the ids come back in one copy."""
+        if logits.device.type != "cpu":
+            return self.draw(logits, rows).tolist()
         tokens = greedy_ids(logits)
         random_rows = [i for i, (_, p) in enumerate(rows) if not p.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            params = [rows[i][1] for i in random_rows]
-            temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=torch.float32)
-            scaled = logits.index_select(0, idx).float() / temps[:, None]
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(scaled.shape[-1], device=logits.device)[None, :]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params], device=logits.device)
-            sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float32)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            outside = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-            probs = probs.masked_fill(outside, 0.0)
-            noise = torch.stack([
-                torch.empty(probs.shape[-1], device=logits.device).exponential_(
-                    generator=self._generator(rows[i][0], rows[i][1]))
-                for i in random_rows])
-            choice = (probs / noise).argmax(dim=-1)
-            for row, token in zip(random_rows, order.gather(1, choice[:, None]).squeeze(1).tolist()):
+            drawn = self._draw_random(logits, rows, random_rows).tolist()
+            for row, token in zip(random_rows, drawn):
                 tokens[row] = token
         return tokens
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> torch.Tensor:
+        """The device half of sample: token ids [len(rows)] int64 on the logits' device, no host sync."""
+        ids = logits.argmax(dim=-1)
+        random_rows = [i for i, (_, p) in enumerate(rows) if not p.greedy]
+        if random_rows:
+            at = torch.tensor(random_rows).to(logits.device, non_blocking=True)
+            ids = ids.index_copy(0, at, self._draw_random(logits, rows, random_rows, at))
+        return ids
+
+    def _draw_random(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]], random_rows: list[int],
+                     at: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [len(random_rows)] on the logits' device for the rows that sample: temperature, top-k, top-p,
+        then the exponential race (argmax of p / noise) with each row's own generator."""
+        device = logits.device
+        idx = at if at is not None else torch.tensor(random_rows).to(device, non_blocking=True)
+        params = [rows[i][1] for i in random_rows]
+        vocab = logits.shape[-1]
+        knobs = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p] for p in params],
+                             dtype=torch.float64).to(device, non_blocking=True)
+        temps, top_k, top_p = knobs.unbind(1)
+        scaled = logits.index_select(0, idx).float() / temps[:, None].float()
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        outside = (probs.cumsum(dim=-1) - probs) >= top_p[:, None].float()
+        probs = probs.masked_fill(outside, 0.0)
+        noise = torch.stack([
+            torch.empty(vocab, device=device).exponential_(generator=self._generator(rows[i][0], rows[i][1]))
+            for i in random_rows])
+        choice = (probs / noise).argmax(dim=-1)
+        return order.gather(1, choice[:, None]).squeeze(1)

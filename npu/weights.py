@@ -170,20 +170,28 @@ def is_norm_bias(name: str) -> bool:
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected, seed: int,
-                   std: float) -> torch.Tensor:
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+                   std: float, device: torch.device) -> torch.Tensor:
+    """One tensor made where it will live, by a generator of that device seeded from (seed, name): on a GPU the
+    Qwen3-8B layout's 16 GB take seconds, where the host's generator and a copy took minutes. Values depend on
+    the device kind's generator (the CPU's and CUDA's differ), never on the other tensors or the rank."""
     if dtype == torch.float8_e8m0fnu:       # block scales: 1, or about std for FP4 values (which reach 6)
         values = expected.get(name.removesuffix(".scale") + ".weight", ((), None))[1]
         exponent = round(math.log2(std)) if values == torch.float4_e2m1fn_x2 else 0
-        return torch.full(shape, 127 + exponent, dtype=torch.uint8).view(dtype)
-    if dtype == torch.float4_e2m1fn_x2:     # random e2m1 codes, two per byte
-        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+        return torch.full(shape, 127 + exponent, dtype=torch.uint8, device=device).view(dtype)
     if is_norm_weight(name):
-        return torch.ones(shape, dtype=dtype)
-    if dtype.is_floating_point and not is_norm_bias(name):
-        sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
-        return torch.randn(shape, generator=gen, dtype=sample_dtype).mul_(std).to(dtype)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
+    if dtype != torch.float4_e2m1fn_x2 and (not dtype.is_floating_point or is_norm_bias(name)):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(random_seed(seed, name))
+    if dtype == torch.float4_e2m1fn_x2:     # random e2m1 codes, two per byte
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=device).view(dtype)
+    sample_dtype = dtype if dtype in RANDN_DTYPES else torch.bfloat16
+    return torch.randn(shape, generator=gen, dtype=sample_dtype, device=device).mul_(std).to(dtype)
+
+
+def random_seed(seed: int, name: str) -> int:
+    """The generator seed of tensor `name` under the model seed `seed`."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
@@ -195,9 +203,9 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     Each tensor's generator is seeded from (seed, name), so a tensor's values do not depend on which
     other tensors the model has or the order they are listed in (nor on which rank makes it: `held`, a
     rank's share as in load_state_dict, makes only those tensors and keeps only its slice). Tensors are made
-    one at a time in their target dtype (float8 ones through bfloat16, which randn supports), sliced and moved
-    to the device at once, so the host never holds more than one tensor beyond the ones already placed: never
-    a float32 copy of a model.
+    one at a time on the device by its own generator, in their target dtype (float8 ones through bfloat16,
+    which randn supports), and a rank's slice is cut at once, so no more than one whole tensor beyond the ones
+    already placed ever exists: never a float32 copy of a model, never a host copy of a device's weights.
     """
     device = torch.device(device)
     held = dict.fromkeys(expected) if held is None else held
@@ -209,6 +217,6 @@ def random_state_dict(expected: Expected, seed: int, device: torch.device | str,
     for name in sorted(held):
         shape, dtype = expected[name]
         bar.update(1)
-        out[name] = shard(_random_tensor(name, tuple(shape), dtype, expected, seed, std), held[name]).to(device)
+        out[name] = shard(_random_tensor(name, tuple(shape), dtype, expected, seed, std, device), held[name])
     bar.close()
     return out

@@ -160,30 +160,30 @@ class Attention:
         torch.topk over the same row of scores, a sequence's compressed rows 0 .. T - 1 with the invisible ones
         at -inf, T = the query's ranked_end // ratio (paging.QueryGroup: what a one-step prefill of the prompt,
         then one decode token per step, ranks over). torch.topk's choice among equal values depends on the row's
-        length and values only (not on batching), so chunking, batching and preemption never change it. Only
-        sequences with a tie at the k-th score need that call; the others' picks come from one call per group."""
-        di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
-        visible = group.visible[ratio]
-        ranked = group.ranked_end // ratio                                                 # [S, Q] T per query
-        lengths = ranked.flatten().tolist()
-        k = min(topk, max(lengths, default=0))
-        if k == 0:
+        length and values only (not on batching), so chunking, batching and preemption never change it. One call
+        ranks the whole group; where a query's k-th and (k + 1)-th scores tie, its picks are taken from one call
+        per ranked length T instead (which queries rank over which T is host-known: paging.IndexPlan), chosen on
+        the device with torch.where, so no host sync decides anything."""
+        di, ratio, plan = self.lay.index_head_dim, self.csa, group.index
+        if plan is None or plan.k == 0:
             return None
+        k, width = plan.k, plan.width
+        visible = group.visible[ratio]
         keys = self.io.read("idx", layer, group.keys["idx"], di, torch.float32)               # [S, Kc, di]
         dots = torch.einsum("sqhd,skd->sqhk", group.view(q).float(), keys).relu_().mul_(di ** -0.5)   # in place:
         score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2)                # one [S, Q, heads, Kc] tensor
         del dots
-        width = max(max(lengths), score.shape[-1])
         score = F.pad(score.masked_fill(~visible, float("-inf")), (0, width - score.shape[-1]), value=float("-inf"))
         top = score.topk(min(k + 1, width), dim=-1)              # one call for the group: the k best of each query
-        order = top.indices[..., :k]                              # are the same set under any tie rule unless the
-        if k < width:                                             # k-th and the (k + 1)-th score are equal
+        order = top.indices[..., :k].contiguous()                 # are the same set under any tie rule unless the
+        if k < width and plan.by_length:                          # k-th and the (k + 1)-th score are equal
             kth = top.values[..., k - 1]
-            tied = (kth == top.values[..., k]) & (kth > float("-inf"))                          # [S, Q]
-            if bool(tied.any()):                                  # then: transformers' call, on the query's row
-                for length in set(ranked[tied].tolist()):
-                    s_at, q_at = (tied & (ranked == length)).nonzero(as_tuple=True)
-                    order[s_at, q_at] = score[s_at, q_at, :length].topk(k, dim=-1).indices   # (length > k: tied)
+            tied = ((kth == top.values[..., k]) & (kth > float("-inf"))).flatten()               # [S * Q]
+            flat_order, flat_score = order.view(-1, k), score.flatten(0, 1)
+            for length, queries in plan.by_length:                # then: transformers' call, on the query's row
+                alt = flat_score.index_select(0, queries)[:, :length].topk(k, dim=-1).indices
+                now = flat_order.index_select(0, queries)
+                flat_order.index_copy_(0, queries, torch.where(tied.index_select(0, queries)[:, None], alt, now))
         ok = score.gather(-1, order) > float("-inf")
         where = group.keys[self.kinds[ratio].outputs[0]]                                   # [S, Kc]
         inside = order.clamp(max=where.page.shape[1] - 1)                  # rows past Kc are -inf: not ok

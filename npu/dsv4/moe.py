@@ -3,6 +3,15 @@
 Routing: scores = score_fn(h Wg); the first num_hash_layers layers take the experts the fixed table
 tid2eid[token] names, the others the top num_experts_per_tok of scores + bias (the bias only selects:
 noaux_tc). The picked scores are renormalized to sum to 1 and scaled by routed_scaling_factor.
+
+Two ways to run the routed experts, the same sums:
+- on the CPU (routed_experts, by_expert): the pairs sorted by expert, each picked expert run once on its rows
+  and fetched (dequantized) only when picked; the host reads the counts, which costs nothing there;
+- on an accelerator (grouped_experts): no host sync. The pairs are sorted by expert on the device, every
+  expert's end offset comes from one searchsorted, and two grouped GEMMs (torch._grouped_mm: one launch for all
+  experts, empty groups cost nothing) run w1|w3 and w2 over the sorted rows; the stacked weights are dequantized
+  for the step where they are quantized. Where the device has no grouped GEMM for the dtype, each expert runs over
+  every pair and keeps its own rows (the same static shapes, E times the arithmetic).
 """
 
 from __future__ import annotations
@@ -96,3 +105,45 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     pairs = torch.empty_like(back)
     pairs[order] = back
     return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+
+
+def expert_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [num_experts]: the end of each expert's rows among pairs sorted by expert id (grouped GEMM offsets)."""
+    bounds = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, bounds, right=False).to(torch.int32)
+
+
+def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                    w2: torch.Tensor, limit: float | None, grouped_mm: bool = True) -> torch.Tensor:
+    """routed_experts with no host sync: w1, w3 [E, I, D] and w2 [E, D, I] stacked over the experts, in the compute
+    dtype. grouped_mm=False: the device has no grouped GEMM for this dtype (each expert runs over every pair)."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)          # pairs by expert, each expert's rows in pair order
+    rows = h.index_select(0, order // k)
+    if grouped_mm:
+        ends = expert_offsets(flat.index_select(0, order), w1.shape[0])
+        gate = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends)
+        up = torch._grouped_mm(rows, w3.transpose(-2, -1), offs=ends)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
+    else:
+        ids = flat.index_select(0, order)[:, None]
+        out = torch.zeros_like(rows)
+        for e in range(w1.shape[0]):
+            out = torch.where(ids == e, swiglu(rows, w1[e], w3[e], w2[e], limit), out)
+    pairs = torch.empty_like(out).index_copy_(0, order, out)
+    return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs on this device and dtype (CUDA's needs sm90 for bf16 and may refuse float32):
+    one tiny call at load time, never inside a step."""
+    try:
+        rows = torch.zeros(8, 16, dtype=dtype, device=device)
+        stacked = torch.zeros(2, 16, 16, dtype=dtype, device=device)
+        torch._grouped_mm(rows, stacked.transpose(-2, -1), offs=torch.tensor([4, 8], dtype=torch.int32).to(device))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False

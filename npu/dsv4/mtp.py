@@ -21,30 +21,60 @@ import torch
 
 @dataclass(frozen=True)
 class MtpHistory:
-    """A sequence's main-model streams from its last step: positions start .. start + len(tokens) - 1."""
+    """A sequence's main-model streams from its last step: positions start .. start + len(tokens) + drafts - 1.
+
+    The tokens at those positions: `tokens` known on the host, then `drafted` (a verify step's drafts, on the device:
+    the runner never reads a draft's value on the host, so drafting stays free of host syncs)."""
 
     start: int
     tokens: tuple[int, ...]
-    hidden: torch.Tensor       # [len(tokens), hc, D]
+    hidden: torch.Tensor       # [positions, hc, D]
     mtp_next: int              # first MTP row not yet written from committed tokens
     step: int                  # runner step that wrote it (entries of sequences gone quiet are dropped)
+    drafted: torch.Tensor | None = None   # [K] int64 on the device: the tokens after `tokens`
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) + (0 if self.drafted is None else self.drafted.shape[0])
 
     def hidden_at(self, pos: int) -> torch.Tensor | None:
         """[1, hc, D] streams at pos, or None when this history does not hold it."""
         i = pos - self.start
-        return self.hidden[i:i + 1] if 0 <= i < len(self.tokens) else None
+        return self.hidden[i:i + 1] if 0 <= i < self.length else None
 
 
-def catch_up_rows(history: MtpHistory | None, start: int, first_token: int) -> tuple[int, list[int], list[int]]:
-    """MTP rows a verify step from `start` (whose first token is first_token) writes before drafting:
-    (first row, their next tokens, their history indices). Rows mtp_next .. start - 1 that the history holds;
-    none without history."""
+@dataclass(frozen=True)
+class CatchUp:
+    """The MTP rows a verify step from `start` writes before drafting: rows first .. start - 1, each with the
+    token after it. `tokens` are those next tokens as the host knows them (placeholders where `fed` covers them:
+    drafts of the last step, accepted since, whose values only the device holds); `fed` = (offset in tokens, device
+    tensor) or None; `hidden` = the history's rows [lo, hi) of streams they read."""
+
+    first: int
+    tokens: list[int]
+    fed: tuple[int, torch.Tensor] | None
+    hidden: tuple[int, int]
+
+
+def catch_up_rows(history: MtpHistory | None, start: int, first_token: int) -> CatchUp | None:
+    """The catch-up of a verify step from `start` (whose first token is first_token): rows mtp_next .. start - 1
+    that the history holds; None without such a history."""
     if history is None or history.hidden_at(start - 1) is None:
-        return start - 1, [], []
+        return None
     first = max(history.mtp_next, history.start, 0)
-    known = list(history.tokens[:start - history.start]) + [first_token]      # tokens history.start .. start
-    rows = list(range(first, start))
-    return first, [known[i + 1 - history.start] for i in rows], [i - history.start for i in rows]
+    if first >= start:
+        return None
+    # row i's next token is the one at position i + 1: positions first + 1 .. start - 1 from the history, then
+    # first_token at start. Of the history's positions, the host knows the first len(tokens); the rest are drafts.
+    lo, hi = first + 1 - history.start, start - history.start
+    known = len(history.tokens)
+    host = list(history.tokens[lo:min(hi, known)])
+    fed = None
+    if hi > known and history.drafted is not None:
+        drafts = history.drafted[max(lo, known) - known:hi - known]
+        fed = (len(host), drafts)
+        host += [0] * drafts.shape[0]
+    return CatchUp(first, host + [first_token], fed, (first - history.start, start - history.start))
 
 
 STALE_STEPS = 256    # a history unused this many runner steps belongs to a finished sequence: dropped

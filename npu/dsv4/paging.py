@@ -28,7 +28,8 @@ class Rows:
     ok: torch.Tensor
 
     def to(self, device: torch.device) -> "Rows":
-        return Rows(self.page.to(device), self.row.to(device), self.ok.to(device))
+        return Rows(self.page.to(device, non_blocking=True), self.row.to(device, non_blocking=True),
+                    self.ok.to(device, non_blocking=True))
 
 
 @dataclass
@@ -48,15 +49,41 @@ class QueryGroup:
     # token's, the prompt's length (the step's end when not known); a later token's, its position + 1 (what one
     # -token decoding ranks over: so verifying drafts, or recomputing after preemption, ranks as decoding did)
     ranked_end: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    index: IndexPlan | None = None     # the CSA indexer's top-k sizes and tie rows (groups of a step with CSA)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """[N, ...] flat tokens -> this group's [S, Q, ...] queries (a view)."""
         return flat[self.first:self.first + self.num_seqs * self.q_len].unflatten(0, (self.num_seqs, self.q_len))
 
     def to(self, device: torch.device) -> "QueryGroup":
-        return QueryGroup(self.first, self.num_seqs, self.q_len, self.window_mask.to(device),
-                          {r: v.to(device) for r, v in self.visible.items()},
-                          {k: v.to(device) for k, v in self.keys.items()}, self.ranked_end)   # stays on the host
+        return QueryGroup(self.first, self.num_seqs, self.q_len, self.window_mask.to(device, non_blocking=True),
+                          {r: v.to(device, non_blocking=True) for r, v in self.visible.items()},
+                          {k: v.to(device) for k, v in self.keys.items()}, self.ranked_end,
+                          None if self.index is None else self.index.to(device))
+
+
+@dataclass
+class IndexPlan:
+    """The host-known sizes of one query group's indexer top-k (Attention._index), so the device half needs no
+    value of its own: k (index_topk, or fewer when no query ranks that many rows), the padded score width, and,
+    per distinct ranked length T > k, the queries ([S * Q] flat indices) ranking over T rows: where the k-th and the
+    (k + 1)-th score tie, those queries take torch.topk's choice on their row cut to T, as transformers does."""
+
+    k: int
+    width: int
+    by_length: list[tuple[int, torch.Tensor]]
+
+    def to(self, device: torch.device) -> "IndexPlan":
+        return IndexPlan(self.k, self.width, [(n, q.to(device, non_blocking=True)) for n, q in self.by_length])
+
+
+def index_plan(ranked_end: torch.Tensor, ratio: int, topk: int, num_rows: int) -> IndexPlan:
+    """The IndexPlan of a group whose queries rank over ranked_end // ratio rows, num_rows compressed rows read."""
+    ranked = (ranked_end // ratio).flatten()
+    k = min(topk, int(ranked.max()) if ranked.numel() else 0)
+    width = max(int(ranked.max()) if ranked.numel() else 0, num_rows)
+    lengths = sorted(set(ranked.tolist()))
+    return IndexPlan(k, width, [(n, (ranked == n).nonzero().flatten()) for n in lengths if n > k])
 
 
 @dataclass
@@ -73,9 +100,11 @@ class StepPlan:
     rows: dict[str, Rows] = field(default_factory=dict)              # "group.use" -> rows written or pooled
 
     def to(self, device: torch.device) -> "StepPlan":
-        return StepPlan(self.token_ids.to(device), self.pos.to(device), self.sample_index.to(device),
-                        [g.to(device) for g in self.groups], {r: v.to(device) for r, v in self.run_pos.items()},
-                        {k: v.to(device) for k, v in self.rows.items()})
+        """The plan on the device: every index uploaded without waiting (non_blocking), once per step."""
+        def up(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+        return StepPlan(up(self.token_ids), up(self.pos), up(self.sample_index), [g.to(device) for g in self.groups],
+                        {r: up(v) for r, v in self.run_pos.items()}, {k: v.to(device) for k, v in self.rows.items()})
 
 
 @dataclass(frozen=True)
@@ -194,6 +223,9 @@ def build_plan(model: ModelSpec, batch: StepBatch, kinds: list[Compression], dev
         group = QueryGroup(int(last[members[0]]) + 1 - q_len, len(members), q_len,
                            kvalid[:, None, :] & (dist >= 0) & (dist < W),
                            ranked_end=torch.maximum(qpos + 1, prompt_ends[members][:, None]))
+        if kinds:
+            csa = min(kind.ratio for kind in kinds)
+            group.index = index_plan(group.ranked_end, csa, model.layout.index_topk, int((g_ends // csa).max()))
         group.keys["ori"] = at(window, members[:, None].expand_as(kpos), kpos, kvalid)
         for kind in kinds:
             # compressed rows 0 .. end // r - 1, visible once their window has ended

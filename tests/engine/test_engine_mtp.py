@@ -57,8 +57,8 @@ def scripted_drafter(monkeypatch):
                 seen[s.request_id] = tuple(s.token_ids[:8])
         return execute(self, batch)
 
-    def scripted(self, seqs, hidden, worst_case):
-        logits, last = mtp_pass(self, seqs, hidden, worst_case)
+    def scripted(self, seqs, hidden, worst_case, fed=None):
+        logits, last = mtp_pass(self, seqs, hidden, worst_case, fed)
         logits = torch.zeros_like(logits)
         for row, s in enumerate(seqs):
             tokens = full.get(seen.get(s.request_id, ()), [])
@@ -207,3 +207,34 @@ def test_constrained_rows_do_not_draft_and_keep_their_grammar():
     assert [r.token_ids for r in results[:3]] == expected
     assert results[3].finish_reason is FinishReason.STOP and results[3].text in ("alpha", "beta", "gamma")
     assert stats.spec_proposed > 0
+
+
+def test_catch_up_rows_read_the_committed_tokens_also_when_they_were_drafts(monkeypatch, scripted_drafter):
+    """A verify step's MTP catch-up writes rows for the tokens committed since the last drafting, most of them
+    accepted drafts whose values only the device holds (fed, never read on the host): each row must get the token
+    the sequence really has at the next position."""
+    import npu.deepseek_v4
+    batch = prompts(3, 5, 40, seed=21)
+    expected = reference(batch)
+    scripted_drafter(batch, expected)
+    catch_ups: list = []
+    real = npu.deepseek_v4.catch_up_rows
+
+    def spy(history, start, first_token):
+        found = real(history, start, first_token)
+        if found is not None:
+            tokens = list(found.tokens)
+            if found.fed is not None:
+                offset, fed = found.fed
+                tokens[offset:offset + fed.shape[0]] = fed.tolist()
+            catch_ups.append((found.first, tokens, found.fed is not None))
+        return found
+
+    monkeypatch.setattr(npu.deepseek_v4, "catch_up_rows", spy)
+    with Appliance.from_config(BASE + speculative(3)) as app:
+        app.generate(batch, GREEDY)
+    sequences = [p + out for p, out in zip(batch, expected)]
+    assert any(fed for *_, fed in catch_ups), "no catch-up read a draft: the test would prove nothing"
+    for first, tokens, _ in catch_ups:         # tokens: those at positions first + 1 .. start (the step's first)
+        assert any(s[first + 1:first + 1 + len(tokens)] == tokens for s in sequences), \
+            f"catch-up rows from {first} got {tokens}, which no sequence has there"

@@ -25,6 +25,7 @@ class FakeNpuDevice:
     reserved: int = 0                # this process's torch allocator: reserved, allocated now, peak
     allocated: int = 0
     peak: int = 0
+    peak_reserved: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,12 @@ class FakeNpuRuntime:
     def max_memory_allocated(self, index: int | None = None) -> int:
         return self._touch("max_memory_allocated", index).peak
 
+    def max_memory_reserved(self, index: int | None = None) -> int:
+        return self._touch("max_memory_reserved", index).peak_reserved
+
     def reset_peak_memory_stats(self, index: int | None = None) -> None:
         d = self._touch("reset_peak_memory_stats", index)
-        d.peak = d.allocated
+        d.peak, d.peak_reserved = d.allocated, d.reserved
 
     def synchronize(self, index: int | None = None) -> None:
         self._touch("synchronize", index)

@@ -176,8 +176,11 @@ def test_accelerator_probe_adds_non_torch_growth_and_honours_a_cap(monkeypatch):
     assert [t.device for t in runtime.touches if t.call == "reset_peak_memory_stats"] == [0, 1]
     dev = runtime.devices[1]
     dev.used_by_others, dev.reserved, dev.allocated, dev.peak = 2 * GiB, 9 * GiB, 7 * GiB, 8 * GiB
+    dev.peak_reserved = 10 * GiB
     # outside torch the device grew by 1.5 GiB (0.5 -> 2 GiB); free = 80 - 2 - 9 GiB
-    assert backend.memory(1) == MemoryStats(80 * GiB, 69 * GiB, 8 * GiB, 3 * GiB // 2, 7 * GiB)
+    stats = backend.memory(1)
+    assert stats == MemoryStats(80 * GiB, 69 * GiB, 8 * GiB, 3 * GiB // 2, 7 * GiB, 10 * GiB)
+    assert stats.peak_torch_bytes == 10 * GiB and not backend.context_counted
     capped = NpuBackend(count=1, memory_bytes_per_device=40 * GiB).memory(0)
     assert (capped.total_bytes, capped.free_bytes) == (40 * GiB, 40 * GiB)
     with pytest.raises(BackendUnavailableError, match="exceeds npu:0's physical memory"):
@@ -273,3 +276,18 @@ def test_the_loop_thread_launches_and_steps_with_the_npu_current(monkeypatch):
         assert runtime.touched_devices() == {0}      # devices 1-3 are visible but never opened
     finally:
         engine.shutdown()
+
+
+def test_the_runtime_context_counts_as_this_process_memory_where_the_driver_is_asked_first(monkeypatch):
+    """With NVML (device_memory_used) others' use is read before this process opens its context, so what the context
+    and other non-torch allocations take is this process's, in non_torch_bytes (the driver's view of the promise)."""
+    runtime = npu_runtime(count=1, total=80 * GiB)
+    dev = runtime.devices[0]
+    dev.used_by_others = 3 * GiB                       # another process, before this one starts
+    runtime.device_memory_used = lambda index: runtime.devices[index].used_by_others   # NVML, no context opened
+    fake_torch_npu.install(monkeypatch, runtime)
+    backend = NpuBackend(count=1)
+    assert backend.context_counted
+    dev.used_by_others += GiB // 2                     # this process's context and workspaces, outside torch
+    dev.reserved = 4 * GiB
+    assert backend.memory(0).non_torch_bytes == GiB // 2

@@ -339,3 +339,29 @@ def test_checkpoint_tensors_name_every_scale_once():
     assert len(names) == len(set(names))
     assert "layers.1.attn.wq_a.scale" in names and "layers.1.ffn.experts.0.w1.scale" in names
     assert "layers.1.attn.q_norm.scale" not in names and "embed.scale" not in names
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("chunk", [1 << 27, 64 * 256], ids=["whole", "expert_by_expert"])
+def test_stacked_quantized_experts_dequantize_as_each_expert_does(fmt, chunk, monkeypatch):
+    """The accelerator path holds each layer's routed experts stacked as stored ([E, out, in] values and scales) and
+    dequantizes the stack for a step (a few experts at a time: DEQUANT_CHUNK_VALUES): every expert's matrix must
+    come out as its own dequantize gives it."""
+    import npu.quant
+    from npu.deepseek_v4 import stack_experts
+    monkeypatch.setattr(npu.quant, "DEQUANT_CHUNK_VALUES", chunk)
+    gen = torch.Generator().manual_seed(3)
+    held = {}
+    for e in range(3):
+        for w, shape in (("w1", (64, 256)), ("w3", (64, 256)), ("w2", (256, 64))):
+            dense = torch.randn(shape, generator=gen) * 0.1
+            values, scale = quantize_fp4(dense) if fmt == "fp4" else quantize_fp8(dense, 128)
+            name = f"layers.0.ffn.experts.{e}.{w}.weight"
+            held[name] = QuantizedWeight(name, values, scale, 128).check()
+    expected = {name: w.dequantize(torch.bfloat16) for name, w in held.items()}
+    stacks = stack_experts(held)
+    assert list(stacks) == ["layers.0.ffn."] and not held
+    for which, stacked in zip(("w1", "w3", "w2"), stacks["layers.0.ffn."]):
+        got = stacked.dequantize(torch.bfloat16)
+        for e in range(3):
+            assert torch.equal(got[e], expected[f"layers.0.ffn.experts.{e}.{which}.weight"])

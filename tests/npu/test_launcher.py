@@ -55,6 +55,18 @@ def test_npu_scale_startup_equals_mode_plan():
         assert runner.pools[spec.name].device.type == "meta"
 
 
+def test_peak_non_kv_is_what_the_driver_sees_reserved_bytes_and_memory_outside_torch():
+    """The promise is kept in the driver's view: the caching allocator's reserved peak (not its allocated one) plus
+    the process's memory outside torch, less the scratch pools the planner counts itself."""
+    rc = load_runtime_config(DSV4_SERVE)
+    probe = FakeMemoryProbe(16, A3_BYTES, 40 * GiB, reserved_bytes=44 * GiB, non_torch_bytes=GiB)
+    runner, report = launch(rc, FakeBackend(probe, kind="npu"), ShapeOnlyRunner(rc.model))
+    scratch = scratch_bytes(rc.model.cache_groups, rc.decode_batch)
+    assert {d.peak_non_kv_bytes for d in report.plan.devices} == {45 * GiB - scratch}
+    note = next(n for n in report.notes if n.startswith("peak_non_kv"))
+    assert f"{40 * GiB:,} B allocated and {44 * GiB:,} B reserved at peak, {GiB:,} B outside torch" in note
+
+
 def test_one_device_over_budget_fails_fast_naming_it():
     rc = load_runtime_config(DSV4_SERVE)
     peaks = [40 * GiB] * 16

@@ -22,7 +22,8 @@ class FakeMemoryProbe:
     """Scripted per-device memory: totals, free, and the allocator peak a profiling step would report."""
 
     def __init__(self, count: int, total_bytes: int | Sequence[int], peak_bytes: int | Sequence[int] = 0,
-                 free_bytes: int | Sequence[int] | None = None):
+                 free_bytes: int | Sequence[int] | None = None, reserved_bytes: int | Sequence[int] = 0,
+                 non_torch_bytes: int | Sequence[int] = 0):
         def per_device(v: int | Sequence[int], what: str) -> list[int]:
             vals = [int(v)] * count if isinstance(v, int) else [int(x) for x in v]
             if len(vals) != count:
@@ -33,9 +34,12 @@ class FakeMemoryProbe:
         self.total = per_device(total_bytes, "total_bytes")
         self.peak = per_device(peak_bytes, "peak_bytes")
         self.free = per_device(free_bytes, "free_bytes") if free_bytes is not None else list(self.total)
+        self.reserved = per_device(reserved_bytes, "reserved_bytes")     # the caching allocator's peak (0: none)
+        self.non_torch = per_device(non_torch_bytes, "non_torch_bytes")
 
     def stats(self, index: int) -> MemoryStats:
-        return MemoryStats(self.total[index], self.free[index], self.peak[index])
+        return MemoryStats(self.total[index], self.free[index], self.peak[index], self.non_torch[index],
+                           peak_reserved_bytes=self.reserved[index])
 
 
 class FakeBackend(Backend):
@@ -100,6 +104,8 @@ class ShapeOnlyRunner(ModelRunner):
                                    f"{self.max_pool_bytes:,} B")
         super().allocate_pools(num_blocks, num_scratch)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        n = sum(len(logits_offsets(s)) for s in batch.seqs)
-        return torch.zeros(n, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)
+    def prepare(self, batch: StepBatch) -> int:
+        return sum(len(logits_offsets(s)) for s in batch.seqs)
+
+    def forward(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows, self.model.layout.vocab_size, dtype=torch.float32, device=self.device)

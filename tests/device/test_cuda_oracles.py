@@ -1,0 +1,170 @@
+"""On a CUDA GPU: the engine's greedy tokens equal transformers' on the same GPU (float32, every prompt), for a Qwen3
+checkpoint transformers writes itself and for DeepSeek V4 checkpoints with transformers' config.json (the oracles of
+tests/engine, on the device). bfloat16 agreement is measured and reported, not required token for token (two correct
+bf16 implementations round differently).
+
+Marked `cuda` and skipped without a GPU: `make device-check` runs them (bench/device_check.py), `make test` skips them.
+With DEVICE_CHECK_OUT set, each test writes its figures there as JSON (the device check's summary reads them).
+DEVICE_CHECK_DEVICE=cpu runs the same tests on the CPU: the check's own logic, where no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.config.compose import load_runtime_config
+from appliance.core.request import SamplingParams
+from appliance.core.tokenizer import Tokenizer
+from appliance.offline import Appliance
+from tests.support.checkpoints import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
+
+DEVICE = os.environ.get("DEVICE_CHECK_DEVICE", "cuda")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                                   reason="needs a CUDA GPU: make device-check")]
+transformers = pytest.importorskip("transformers")
+
+NEW = 32
+QWEN3_LENS = (1, 7, 33, 64, 130, 257, 480, 20)
+GPU = [f"device={DEVICE}", "max_model_len=640", "max_num_seqs=8", "decode_batch=8"]
+
+
+def report(name: str, figures: dict) -> None:
+    """Write one test's figures for the device check's summary (DEVICE_CHECK_OUT), if asked."""
+    out = os.environ.get("DEVICE_CHECK_OUT")
+    if out:
+        Path(out, f"oracle_{name}.json").write_text(json.dumps(figures, indent=1))
+
+
+def prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def transformers_greedy(model_class: str, directory: Path, work: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
+    """transformers' `generate` (greedy, NEW tokens, no EOS) on the GPU, one prompt at a time."""
+    net = getattr(transformers, model_class).from_pretrained(directory, dtype=dtype).to(DEVICE).eval()
+    net.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = [net.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+               [0, len(p):].tolist() for p in work]
+    del net
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def served(directory: Path, work: list[list[int]], *extra: str) -> list[list[int]]:
+    """Every prompt at once through `+model=hf model.weights=DIR device=cuda`, greedy."""
+    with Appliance.from_config(["+model=hf", f"model.weights={directory}", *GPU, *extra]) as app:
+        return [r.token_ids for r in app.generate(work, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Identical prompts, and the share of tokens before the first difference (a difference changes what follows)."""
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
+    return {"prompts": len(ours), "identical": sum(x == y for x, y in zip(ours, theirs)),
+            "tokens_before_first_difference": sum(prefix) / sum(len(x) for x in ours)}
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny Qwen3 written by transformers (config.json and weights: Qwen3ForCausalLM.save_pretrained, seeded
+    initialisation), float32 and bfloat16, each with a locally built tokenizer.json."""
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    net = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():                   # larger than the default init: logits far from uniform, fewer near-ties
+        for p in net.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        directory = tmp_path_factory.mktemp(f"qwen3_{name}")
+        net.to(dtype).save_pretrained(directory)
+        Tokenizer.build(config.vocab_size).save(directory / "tokenizer.json")
+        out[name] = directory
+    return out
+
+
+def test_qwen3_float32_greedy_on_the_gpu_equals_transformers_on_the_gpu(qwen3_checkpoints):
+    work = prompts(QWEN3_LENS, 512, seed=1)
+    ours, theirs = served(qwen3_checkpoints["float32"], work), transformers_greedy(
+        "Qwen3ForCausalLM", qwen3_checkpoints["float32"], work, torch.float32)
+    report("qwen3_float32", agreement(ours, theirs))
+    assert ours == theirs
+
+
+def test_qwen3_bfloat16_agreement_with_transformers_on_the_gpu(qwen3_checkpoints):
+    work = prompts(QWEN3_LENS, 512, seed=2)
+    ours, theirs = served(qwen3_checkpoints["bfloat16"], work), transformers_greedy(
+        "Qwen3ForCausalLM", qwen3_checkpoints["bfloat16"], work, torch.bfloat16)
+    figures = agreement(ours, theirs)
+    report("qwen3_bfloat16", figures)
+    assert figures["tokens_before_first_difference"] >= 0.5     # bf16 rounding differs; the model must not
+
+
+def dsv4_checkpoint(directory: Path, seed: int) -> Path:
+    """DeepSeek V4 with transformers' config.json (window, CSA 4, HCA 16 layers, YaRN, 2 indexer heads, a hash
+    layer) and seeded weights with the released names, as tests/engine/test_engine_dsv4_hf.py writes them."""
+    from tests.engine.test_engine_dsv4_hf import CONFIGS, write_checkpoint
+    args, serving = CONFIGS["c16_yarn_no_hash_chunked"]
+    return write_checkpoint(directory, args, seed=seed, serving=serving)
+
+
+def test_dsv4_float32_greedy_on_the_gpu_equals_transformers_on_the_gpu(tmp_path):
+    from tests.engine.test_engine_dsv4_hf import CONFIGS
+    directory = dsv4_checkpoint(tmp_path / "dsv4", seed=31)
+    work = prompts((1, 7, 45, 130, 333, 480), 512, seed=3)
+    ours = served(directory, work, *CONFIGS["c16_yarn_no_hash_chunked"][1])
+    theirs = transformers_greedy("DeepseekV4ForCausalLM", directory, work, torch.float32)
+    report("dsv4_float32", agreement(ours, theirs))
+    assert ours == theirs
+
+
+def test_dsv4_fp8_linears_and_fp4_experts_on_the_gpu_equal_transformers_on_the_dequantized_twin(tmp_path):
+    """The accelerator's MoE path (stacked experts, dequantized for the step) with FP4 experts and FP8 linears."""
+    from safetensors.torch import load_file
+    model = load_runtime_config(["+model=dsv4_tiny", "model.layout.quant_block_size=32",
+                                 "model.layout.expert_dtype=fp4", "model.layout.index_num_heads=16"]).model
+    quantized = write_tiny_checkpoint(tmp_path / "fp8_fp4", model, seed=12, std=0.1)
+    dense = save_checkpoint(tmp_path / "dense", dense_twin(model),
+                            dequantize_state(load_file(str(quantized / "model.safetensors")), model))
+    work = prompts((5, 60, 300), 512, seed=4)
+    ours = served(quantized, work)
+    theirs = transformers_greedy("DeepseekV4ForCausalLM", dense, work, torch.float32)
+    report("dsv4_fp8_fp4", agreement(ours, theirs))
+    assert ours == theirs
+
+
+def test_engine_oracle_workload_on_the_gpu(tmp_path):
+    """tests/engine/test_engine_oracles.py's workload on the GPU (prefix hits, chunked prefill and preemption
+    all happen), against transformers on the GPU."""
+    from tests.engine.test_engine_oracles import NEW_TOKENS, workload
+    model = load_runtime_config(["+model=qwen3_tiny"]).model
+    directory = write_tiny_checkpoint(tmp_path / "qwen3", model, seed=7, std=0.1)
+    work = workload(model.layout.vocab_size)
+    pressure = [f"device={DEVICE}", "max_model_len=128", "max_num_seqs=16", "decode_batch=4",
+                "max_num_batched_tokens=32", "kv_cache.num_slots_override=2"]
+    with Appliance.from_config(["+model=hf", f"model.weights={directory}", *pressure]) as app:
+        first = app.generate(work[:1], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        rest = app.generate(work[1:], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        preempted = app.engine.scheduler.num_preemptions
+    ours = [r.token_ids for r in first + rest]
+    net = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).to(DEVICE).eval()
+    net.generation_config.eos_token_id = None
+    with torch.no_grad():
+        theirs = [net.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in work]
+    report("engine_workload", agreement(ours, theirs) | {"preemptions": preempted,
+                                                          "cached_prompt_tokens": sum(r.usage.cached_prompt_tokens
+                                                                                      for r in rest)})
+    assert preempted > 0 and any(r.usage.cached_prompt_tokens for r in rest)
+    assert ours == theirs
