@@ -2,10 +2,12 @@ PYTHON ?= python
 
 .PHONY: install test proto bench bench-all soak clean mutation device-check wheelhouse
 
-# The CPU build of torch 2.13 is pinned first so that no dependency pulls a multi-GB CUDA build. The last line
-# compiles the CPU paged-attention kernel into ~/.cache/appliance/kernels, so no start waits for the compiler.
+# The CPU build of torch 2.13 is installed first, from its CPU index, so that no dependency pulls a multi-GB CUDA
+# build (on Linux PyPI's torch is the CUDA one). The last line compiles the CPU kernels into
+# ~/.cache/appliance/kernels, so no start waits for the compiler. README "Install" has the CUDA and Ascend lines.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 install:
-	$(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install torch==2.13.0 --index-url $(TORCH_INDEX)
 	$(PYTHON) -m pip install -e '.[dev]'
 	$(PYTHON) -m npu.cpu_kernels
 

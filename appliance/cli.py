@@ -62,7 +62,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     out = _output_dir()
     try:
         rc = compose_runtime_config(cfg)
-        configure_logging(rc.logging.format, rc.logging.level)
+        configure_logging(rc.logging.format, rc.logging.level, console_level="WARNING" if _is_multirun() else None)
         if rc.mode == "validate":
             from appliance.modes.validate import run_validate
             return run_validate(rc, out)
@@ -81,7 +81,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                 return {"status": "ok", "mode": rc.mode, "rank": rdv.rank}
         if rc.mode == "bench":
             from appliance.modes.bench import run_bench
-            return run_bench(rc, out)
+            return run_bench(rc, out, quiet=_is_multirun())
         from appliance.serve.server import serve
         result = serve(rc, output_dir=out)
         if not _is_multirun():

@@ -126,6 +126,10 @@ def rpc_error_text(exc: grpc.RpcError, address: str) -> str:
         return (f"error: no appliance server answers at {address} ({details}).\n"
                 f"Start one in another terminal with `python -m appliance` (the embedded tiny model on "
                 f"{DEFAULT_ADDRESS}; `python -m appliance --help` for more), or pass --address HOST:PORT.")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (f"error: {code.name}: {details}.\n"
+                f"Pass the server's token: --token TOKEN, or export {AUTH_TOKEN_ENV}=TOKEN (the variable the server "
+                f"reads too).")
     return f"error: {code.name}: {details}"
 
 

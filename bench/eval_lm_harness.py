@@ -136,7 +136,9 @@ def main() -> int:
                 cmd += ["--limit", str(args.limit)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
             print("+", " ".join(cmd), flush=True)
-            return subprocess.run(cmd, env=env, cwd=tmp).returncode
+            # In the repository: lm_eval records `git describe` of its working directory (this commit), and
+            # anywhere else git prints "fatal: not a git repository" on the way.
+            return subprocess.run(cmd, env=env, cwd=REPO).returncode
         finally:
             server.stop()
 

@@ -217,6 +217,7 @@ class ModelSpec(Generic[L]):
     weights_seed: int = 0
     max_decode_batch: int = 256            # largest decode batch the runner's kernels accept
     max_num_seqs: int = 1024               # largest concurrency the runner's metadata accepts
+    default_max_model_len: int = 512       # max_model_len when the command line gives none (conf/config.yaml)
     from_checkpoint: bool = False          # +model=hf: arch, name, layout, cache groups from <weights>/config.json
 
     @property

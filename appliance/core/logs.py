@@ -38,11 +38,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure_logging(fmt: str, level: str) -> None:
+def configure_logging(fmt: str, level: str, console_level: str | None = None) -> None:
     """Set the root level and, for fmt "json", the JSON formatter on every root handler (Hydra's console and
-    job-file handlers, or a stderr handler when nothing configured logging)."""
+    job-file handlers, or a stderr handler when nothing configured logging). console_level raises the console's
+    threshold alone (a sweep's job: its log file keeps every record, the terminal only the sweep's lines)."""
     root = logging.getLogger()
     root.setLevel(level)
+    if console_level is not None:
+        for handler in root.handlers:
+            if type(handler) is logging.StreamHandler:          # not the job's FileHandler (a subclass)
+                handler.setLevel(console_level)
     if fmt != "json":
         return
     if not root.handlers:

@@ -238,7 +238,19 @@ def validate_request(request_id: str, prompt: str | Sequence[int], params: Sampl
                                f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     if not ids:
         raise RequestError("prompt", "must not be empty")
-    if len(ids) + params.max_tokens > limits.max_model_len:
-        raise RequestError("sampling.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                                  f"exceeds max_model_len {limits.max_model_len}")
+    check_length(len(ids), params.max_tokens, limits.max_model_len)
     return ids
+
+
+def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Prompt + max_tokens within max_model_len, or a RequestError that blames the part that must change (the
+    prompt when it alone leaves no room) and says by how much, since a client cannot see the server's limit."""
+    if prompt_tokens + max_tokens <= max_model_len:
+        return
+    need = f"prompt ({prompt_tokens:,} tokens) + max_tokens ({max_tokens:,}) = {prompt_tokens + max_tokens:,} " \
+           f"exceeds max_model_len {max_model_len:,} (the server's limit on prompt + generated tokens)"
+    if prompt_tokens >= max_model_len:
+        raise RequestError("prompt", f"{need}: shorten the prompt to at most {max(max_model_len - max_tokens, 1):,} "
+                                     f"tokens, or serve with a larger max_model_len")
+    raise RequestError("sampling.max_tokens", f"{need}: set max_tokens to at most {max_model_len - prompt_tokens:,}, "
+                                              f"or shorten the prompt")

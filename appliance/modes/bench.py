@@ -82,7 +82,9 @@ def speculation_metrics(stats: EngineStats) -> dict[str, Any]:
             "spec_acceptance_by_position": list(stats.spec_acceptance_by_position)}
 
 
-def run_bench(rc: RuntimeConfig, output_dir: Path | None = None) -> dict[str, Any]:
+def run_bench(rc: RuntimeConfig, output_dir: Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the seeded workload, print its figures (unless quiet: a job of a sweep, which prints one line per job)
+    and write bench.json."""
     engine = Engine(rc)
     t0 = time.perf_counter()
     report = engine.start()
@@ -95,14 +97,15 @@ def run_bench(rc: RuntimeConfig, output_dir: Path | None = None) -> dict[str, An
         metrics.update(speculation_metrics(engine.stats()))
     finally:
         engine.shutdown()
-    print(f"bench {rc.model.name}: {metrics['requests']} requests, {metrics['output_tokens']} output tokens in "
-          f"{metrics['elapsed_s']:.2f} s -> {metrics['output_tokens_per_s']:.1f} tok/s, "
-          f"{metrics['requests_per_s']:.2f} req/s; TTFT p50 {metrics['ttft_p50_s'] * 1e3:.1f} ms "
-          f"p99 {metrics['ttft_p99_s'] * 1e3:.1f} ms; TPOT p50 {metrics['tpot_p50_s'] * 1e3:.2f} ms "
-          f"p99 {metrics['tpot_p99_s'] * 1e3:.2f} ms; startup {startup_s:.2f} s"
-          + (f"; {metrics['spec_tokens_per_verify_row']:.2f} tokens per verifying row, acceptance by position "
-             f"{', '.join(f'{r:.2f}' for r in metrics['spec_acceptance_by_position'])}" if metrics.get("spec_verify_rows")
-             else ""))
+    if not quiet:
+        print(f"bench {rc.model.name}: {metrics['requests']} requests, {metrics['output_tokens']} output tokens in "
+              f"{metrics['elapsed_s']:.2f} s -> {metrics['output_tokens_per_s']:.1f} tok/s, "
+              f"{metrics['requests_per_s']:.2f} req/s; TTFT p50 {metrics['ttft_p50_s'] * 1e3:.1f} ms "
+              f"p99 {metrics['ttft_p99_s'] * 1e3:.1f} ms; TPOT p50 {metrics['tpot_p50_s'] * 1e3:.2f} ms "
+              f"p99 {metrics['tpot_p99_s'] * 1e3:.2f} ms; startup {startup_s:.2f} s"
+              + (f"; {metrics['spec_tokens_per_verify_row']:.2f} tokens per verifying row, acceptance by position "
+                 f"{', '.join(f'{r:.2f}' for r in metrics['spec_acceptance_by_position'])}"
+                 if metrics.get("spec_verify_rows") else ""))
     result = {"status": "ok", "mode": "bench", "model": rc.model.name, "startup": report.to_dict(),
               "metrics": metrics}
     write_result(output_dir, "bench.json", result)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import errno
 import json
 import logging
@@ -448,6 +449,22 @@ def _request_error(exc: RequestError, renamed: dict[str, str]) -> ApiError:
     return ApiError(400, f"{field}: {str(exc).removeprefix(exc.field + ': ')}", param=field)
 
 
+# Fields of OpenAI's or vLLM's API that this server refuses, and what it takes instead.
+INSTEAD_OF = {"min_p": "top_p or top_k", "best_of": "n", "functions": "tools", "function_call": "tool_choice",
+              "guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+              "guided_choice": "structured_outputs.choice", "guided_grammar": "structured_outputs.grammar",
+              "reasoning_effort": "chat_template_kwargs.reasoning_effort"}
+
+
+def unknown_field_fix(name: str, names: frozenset[str]) -> str:
+    """What to send instead of a refused field: its counterpart here, the field its spelling is closest to, or
+    nothing."""
+    if name in INSTEAD_OF:
+        return f"send {INSTEAD_OF[name]} instead, or remove it"
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.8)
+    return f"did you mean {close[0]}? Otherwise remove it" if close else "remove it"
+
+
 def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -> ApiError:
     """FastAPI's validation errors as one 400: malformed JSON says so; otherwise the deepest error (the union
     member the client most likely meant) names its field as written, with what was expected there."""
@@ -456,8 +473,8 @@ def validation_error_body(errors: list[dict[str, Any]], names: frozenset[str]) -
         where = tuple(unknown.get("loc", ()))[1:]
         param = field_path(where[:-1], names)
         param = f"{param}.{where[-1]}" if param else str(where[-1])
-        return ApiError(400, f"{param}: not supported by this server (the field is refused, not ignored: remove it)",
-                        param=param)
+        return ApiError(400, f"{param}: not supported by this server (the field is refused, not ignored: "
+                             f"{unknown_field_fix(str(where[-1]), names)})", param=param)
     if errors and errors[0].get("type") == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
         where = errors[0].get("loc", ())[-1]

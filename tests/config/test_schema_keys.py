@@ -37,9 +37,33 @@ def test_unknown_keys_name_the_closest_valid_key(overrides, expected):
     assert len(found) == 1 and expected in found[0], found
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.layout.sliding_window=32"], ("model.layout.sliding_window = 32: select a model first: +model=NAME (dsv4, "
+                                          "dsv4_tiny, hf, qwen3, qwen3_tiny), e.g. +model=dsv4_tiny "
+                                          "model.layout.sliding_window=32 (the embedded default)")),
+    (["model.weights=/ckpt"], "e.g. +model=hf model.weights=/ckpt (a checkpoint directory, its layout read from "
+                              "config.json), or +model=dsv4_tiny model.weights=/ckpt"),
+    (["+model.weights=/ckpt"], "select a model first: +model=NAME"),
+    (["default_model=qwen3_tiny", "model.name=x"], "e.g. +model=qwen3_tiny model.name=x (the embedded default)"),
+    (["+model=dsv4_tine"], ("+model = 'dsv4_tine': no such model (conf/model/dsv4_tine.yaml); did you mean "
+                            "+model=dsv4_tiny? the model options are: dsv4, dsv4_tiny, hf, qwen3, qwen3_tiny")),
+    (["device=gpu,cpu"], "device = 'gpu': no such device (conf/device/gpu.yaml)"),
+    (["+sweep=capcity"], "did you mean +sweep=capacity?"),
+    (["model=dsv4"], "model = 'dsv4': the model group is not in the defaults list: select it with a leading '+', "
+                     "+model=dsv4"),
+    (["+device=cpu"], "+device = 'cpu': '+' only selects the groups outside the defaults list (+model=, +sweep=): "
+                      "write device=cpu"),
+])
+def test_group_choices_and_model_keys_without_a_model_say_what_to_type(overrides, expected):
+    """What Hydra answers with its search path or an OmegaConf traceback, said as the line to type instead."""
+    found = issues(overrides)
+    assert len(found) == 1 and expected in found[0], found
+
+
 def test_groups_and_free_subtrees_stay_valid():
     check_override_keys(["+model=dsv4", "+sweep=capacity", "device=cpu", "server=default", "hydra/launcher=joblib",
-                         "hydra.run.dir=x", "npu_memory_utilization=0.7,0.8", "++decode_batch=4"])
+                         "hydra.run.dir=x", "npu_memory_utilization=0.7,0.8", "++decode_batch=4",
+                         "model.layout.sliding_window=32", "device=cpu,ascend_a3"])       # the model is selected
     assert schema_key_issue("model.cache_groups.2.layers.compress_ratio", 4) is None   # layers is free-form
     assert schema_key_issue("model.cache_groups[2].rows_per_block", 4) is None
     assert load_runtime_config(["++decode_batch=4"]).decode_batch == 4

@@ -65,8 +65,8 @@ def refused_field(**kw) -> str:
      dict(params=dataclasses.replace(OK, stop_token_ids=(LIMITS.vocab_size,))), "sampling.stop_token_ids"),
     (dict(prompt=[0, LIMITS.vocab_size - 1]), dict(prompt=[0, LIMITS.vocab_size]), "prompt_token_ids"),
     (dict(prompt=[0, 1]), dict(prompt=[-1, 1]), "prompt_token_ids"),
-    (dict(prompt=[1] * 63), dict(prompt=[1] * 64), "sampling.max_tokens"),                  # prompt + 1 <= 64
-    (dict(prompt="a" * 63), dict(prompt="a" * 64), "sampling.max_tokens"),
+    (dict(prompt=[1] * 63), dict(prompt=[1] * 64), "prompt"),            # prompt + 1 <= 64: the prompt alone fills it
+    (dict(prompt="a" * 63), dict(prompt="a" * 64), "prompt"),
 ])
 def test_each_limit_is_accepted_at_its_bound_and_refused_past_it(at_bound, past_bound, field):
     check(**at_bound)
@@ -190,11 +190,26 @@ def test_a_refusal_lists_at_most_five_offending_values():
     assert "it contains ['\\x01', '\\x02', '\\x03', '\\x04', '\\x05']" in str(info.value)
 
 
-def test_prompt_plus_max_tokens_over_max_model_len_names_all_three_numbers():
+def test_prompt_plus_max_tokens_over_max_model_len_names_all_three_numbers_and_the_fix():
+    check(prompt=[1] * 59, params=dataclasses.replace(OK, max_tokens=5))          # 64 tokens: exactly fits
     with pytest.raises(RequestError) as info:
         check(prompt=[1] * 60, params=dataclasses.replace(OK, max_tokens=5))
     assert info.value.field == "sampling.max_tokens"
-    assert "prompt (60 tokens) + max_tokens (5) exceeds max_model_len 64" in str(info.value)
+    assert str(info.value) == ("sampling.max_tokens: prompt (60 tokens) + max_tokens (5) = 65 exceeds max_model_len 64 "
+                               "(the server's limit on prompt + generated tokens): set max_tokens to at most 4, or "
+                               "shorten the prompt")
+
+
+@pytest.mark.parametrize("prompt_tokens, max_tokens, at_most", [(64, 1, 63), (70, 8, 56), (64, 64, 1)])
+def test_a_prompt_that_alone_fills_max_model_len_is_blamed_itself(prompt_tokens, max_tokens, at_most):
+    """Lowering max_tokens cannot help there: the refusal names the prompt and the length it may have."""
+    with pytest.raises(RequestError) as info:
+        check(prompt=[1] * prompt_tokens, params=dataclasses.replace(OK, max_tokens=max_tokens))
+    assert info.value.field == "prompt"
+    assert f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} exceeds " \
+           f"max_model_len 64" in str(info.value)
+    assert str(info.value).endswith(f"shorten the prompt to at most {at_most} tokens, or serve with a larger "
+                                    f"max_model_len")
 
 
 # -- integer ranges the engine step can take, and text the tokenizer can encode (issue 24 item 2) ----------------

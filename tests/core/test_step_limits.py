@@ -9,7 +9,8 @@ from appliance.core.step_limits import StepLimits, step_limits, worst_steps
 
 
 def test_limits_come_from_the_config_and_cap_chunks_at_tokens_in_flight():
-    dsv4 = step_limits(load_runtime_config(["max_num_seqs=4", "max_num_batched_tokens=512", "decode_batch=8"]))
+    dsv4 = step_limits(load_runtime_config(["max_num_seqs=4", "max_num_batched_tokens=512", "decode_batch=8",
+                                            "max_model_len=512"]))
     assert dsv4 == StepLimits(max_tokens=512, max_seqs=4, max_decode_rows=4, max_chunk=32, max_context=512,
                              chunk_align=16)
     qwen = step_limits(load_runtime_config(["+model=qwen3_tiny", "max_model_len=256", "max_num_batched_tokens=1024"]))

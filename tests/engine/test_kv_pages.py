@@ -13,7 +13,7 @@ from tests.engine.test_kv_cache_manager import run_prompt
 from tests.support.kv import InspectableKvCacheManager
 
 QWEN3_TINY = load_runtime_config(["+model=qwen3_tiny"])
-DSV4_TINY = load_runtime_config([])
+DSV4_TINY = load_runtime_config(["max_model_len=512"])
 
 
 def spec(name, history="full", mbps=8, rows=4):

@@ -69,7 +69,7 @@ def test_a_row_without_a_page_is_a_clear_error_next_to_longer_tables():
 def test_a_full_group_never_wraps_past_its_table():
     """Position 515 completes cmp_c4 row 128, on logical page 32 of a 32-page table: refused (a ring would
     reuse slot 0; a full group must not overwrite the sequence's first compressed rows)."""
-    model = load_runtime_config(["+model=dsv4_tiny"]).model
+    model = load_runtime_config(["+model=dsv4_tiny", "max_model_len=512"]).model
     pages = {s.name: s.max_blocks_per_seq for s in model.cache_groups}
     assert pages["cmp_c4"] == 32 and model.group("cmp_c4").rows_per_block == 4
     with pytest.raises(ValueError, match=r"cache group 'cmp_c4' has no page for row 128 \(logical page 32"):

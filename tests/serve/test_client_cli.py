@@ -1,4 +1,5 @@
-"""The gRPC client's command line tells a finished request from one the server cut short (issue 24 item 7)."""
+"""The gRPC client's command line tells a finished request from one the server cut short (issue 24 item 7), and a
+refused token from a refused request: it names its own two ways to send one (issue 35)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 
 from appliance.client import main as client_main
 from tests.serve import test_server
-from tests.serve.test_server import wait_for
+from tests.serve.test_server import wait_for, with_server
 
 base_rc = test_server.base_rc          # the fake-engine server fixture and its config, from test_server
 running = test_server.running
@@ -24,3 +25,15 @@ def test_the_client_exits_non_zero_when_the_server_aborts_its_request(running, c
 
     assert client_main(["--address", srv.address, "--max-tokens", "3", "hi"]) == 0
     assert "[length: prompt 2, completion 3" in capsys.readouterr().err
+
+
+def test_a_wrong_or_missing_token_names_the_clients_flag_and_variable(base_rc, running, capsys, monkeypatch):
+    srv = running(with_server(base_rc, auth_token="s3cret"))
+    monkeypatch.delenv("APPLIANCE_AUTH_TOKEN", raising=False)
+    for token in ([], ["--token", "nope"]):
+        assert client_main(["--address", srv.address, *token, "hi"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: UNAUTHENTICATED: ") and "--token TOKEN" in err and \
+            "export APPLIANCE_AUTH_TOKEN=TOKEN" in err, err
+    assert client_main(["--address", srv.address, "--token", "s3cret", "--max-tokens", "2", "hi"]) == 0
+

@@ -70,3 +70,19 @@ def test_unsupported_fields_are_refused_naming_them(served, route, field, value)
     status, answer = post(served.port, route, json.dumps({**base, field: value}))
     assert status == 400, answer
     assert answer["error"]["param"] == field and "not supported" in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("route, field, fix", [
+    (COMPLETIONS, "max_token", "did you mean max_tokens? Otherwise remove it"),
+    (COMPLETIONS, "min_p", "send top_p or top_k instead, or remove it"),
+    (CHAT, "functions", "send tools instead, or remove it"),
+    (CHAT, "no_such_field", "remove it"),
+])
+def test_a_refused_field_says_what_to_send_instead(served, route, field, fix):  # noqa: F811
+    """A typo gets the field it is closest to, a field of OpenAI's or vLLM's API its counterpart here."""
+    base = {"prompt": "hi"} if route == COMPLETIONS else {"messages": [{"role": "user", "content": "hi"}]}
+    status, answer = post(served.port, route, json.dumps({**base, field: 1}))
+    assert status == 400 and answer["error"]["param"] == field, answer
+    assert answer["error"]["message"] == \
+        f"{field}: not supported by this server (the field is refused, not ignored: {fix})", answer
+

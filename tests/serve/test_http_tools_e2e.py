@@ -48,8 +48,7 @@ def serve(tmp_path_factory, *overrides: str):
 
 @pytest.fixture(scope="module")
 def dsv4(tmp_path_factory):
-    srv, port = serve(tmp_path_factory, "+model=dsv4_tiny", "model.layout.max_model_len_cap=2048",
-                      "model.layout.yarn_factor=32.0", "max_model_len=2048")   # room for the tools prompt
+    srv, port = serve(tmp_path_factory, "+model=dsv4_tiny")     # its default max_model_len holds the tools prompt
     try:
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300) as c:
             yield c, load_runtime_config(["+model=dsv4_tiny"]).model

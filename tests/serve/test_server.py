@@ -283,7 +283,7 @@ def test_generate_streams_deltas_then_finish_and_usage(running):
     ("", {}, "prompt"),
     (None, {}, "prompt"),
     ([1, 2, 300], {}, "prompt_token_ids"),
-    ("x" * 600, {"max_tokens": 1}, "prompt"),                  # more bytes than max_model_len tokens can hold
+    ("x" * 5000, {"max_tokens": 1}, "prompt"),                 # more bytes than max_model_len tokens can hold
     ("hi", {"max_tokens": 0}, "sampling.max_tokens"),
     ("hi", {"max_tokens": -3}, "sampling.max_tokens"),
     ("hi", {"max_tokens": 100_000}, "sampling.max_tokens"),

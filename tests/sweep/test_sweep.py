@@ -235,6 +235,10 @@ def test_bench_sweep(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(tmp_path / "sweep.csv")
     assert [(r["decode_batch"], r["status"]) for r in rows] == [("1", "ok"), ("4", "ok")]
+    # Each job prints nothing itself (README "Sweeps"): its startup log and figures go to its job directory.
+    terminal = (proc.stdout + proc.stderr).splitlines()
+    assert not any("[npu." in ln or "[appliance." in ln or ln.startswith("bench ") for ln in terminal), terminal
+    assert "capacity_slots" in (tmp_path / "0" / "cli.log").read_text()
     for r in rows:
         assert float(r["output_tokens_per_s"]) > 0 and float(r["ttft_p50_s"]) > 0
         assert int(r["capacity_slots"]) == 8
