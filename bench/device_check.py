@@ -2,20 +2,23 @@
 minutes; writes summary.md and summary.json (and each line's log) to DEVICE_CHECK_OUT (default
 device-check/<UTC time>/) and prints the summary.
 
-    a  tiny Qwen3 and tiny DeepSeek V4 `mode=bench` on the GPU (as a user runs it: python -m appliance ...)
     b  greedy on the GPU == transformers on the GPU, float32, every prompt: a Qwen3 checkpoint transformers writes,
        DeepSeek V4 checkpoints with transformers' config.json (FP8 linears and FP4 experts too), the engine's
-       prefix-hit / chunked-prefill / preemption workload; bfloat16 agreement reported (tests/device, marker cuda)
+       prefix-hit / chunked-prefill / preemption workload; bfloat16 agreement reported; the Triton decode kernel and
+       the recorded decode graphs against eager (tests/device, marker cuda)
     c  the Qwen3-8B layout (conf/model/qwen3.yaml, random bf16 weights made on the GPU) at npu_memory_utilization
        0.5 and 0.85 under a full load: the largest prefill chunks (max_num_batched_tokens), decode_batch rows all
        at max_model_len, the sampler at decode_batch rows. The process's device memory in the driver's view (NVML,
        sampled every few ms, less what the device held before the process started) must stay <= total x
-       utilization. At 0.5 also the 64 x 128 -> 128 workload's tok/s and a profile of decode steps
+       utilization. At 0.5 also the speed figures: 64 x 128 -> 128 tok/s, steady decode step at batch 1, 16 and
+       64, prefill tok/s, and a profile of decode steps
+    f  transformers `generate` on the Qwen3-8B layout (random bf16 weights), batch 64 x 128 -> 128, beside c's tok/s
+    g  c's speed figures with device.graphs=false (eager decode steps), for the graphs' effect
+    a  tiny Qwen3 and tiny DeepSeek V4 `mode=bench` on the GPU (as a user runs it: python -m appliance ...)
     d  DeepSeek V4 at its real widths with 6 of its 43 layers (FP8 linears, FP4 experts, 256 experts, 7 cache
        groups) at 0.85, the same check
     e  `python -m appliance +model=qwen3_tiny device=cuda`: health, 64 concurrent streamed HTTP completions,
        /metrics per cache group, SIGTERM -> exit 0
-    f  transformers `generate` on the Qwen3-8B layout (random bf16 weights), batch 64 x 128 -> 128, beside c's tok/s
 
 Each line runs in its own process with a time limit; a failing line is reported and the others still run; the
 command exits 1 if any line failed. Lines run most important first and are skipped, named, when the overall
@@ -51,6 +54,7 @@ DSV4_6 = (["+model=dsv4", "model.layout.num_layers=6", "model.layout.compress_ra
                                                    "max_num_batched_tokens=4096", f"device={DEVICE}"]
 SPEED = (64, 128, 128)          # requests, prompt tokens, output tokens: issue 33's Qwen3-8B workload
 FULL_OUTPUT = 32                # output tokens of the full-load requests (prompts fill the rest of max_model_len)
+DECODE_BATCHES = (1, 16, 64)    # steady decode step time at these batch sizes (16-token prompts, 64 new tokens)
 
 
 # -- the driver's view of this process's device memory --------------------------------------------------------
@@ -128,12 +132,20 @@ def load_command(args: argparse.Namespace) -> dict:
             n, prompt, new = SPEED
             out["speed"] = run_workload(engine, [([3 + (i * 7919 + j) % (vocab - 3) for j in range(prompt)], new)
                                                  for i in range(n)], prefix="speed")
-            out["profile"] = profile_decode(engine, vocab, args.out)
-        full = rc.max_model_len - FULL_OUTPUT
-        rows = rc.decode_batch
-        out["full_load"] = run_workload(engine, [([3 + (i * 104729 + j * 31) % (vocab - 3) for j in range(full)],
-                                                  FULL_OUTPUT) for i in range(rows)], prefix="full")
-        out["full_load"]["prompt_tokens"] = rows * full
+            out["decode_step_ms"] = {}              # steady decode: TPOT of n rows with short prompts
+            for rows in DECODE_BATCHES:
+                m = run_workload(engine, [([3 + (i * 31 + j) % (vocab - 3) for j in range(16)], 64)
+                                          for i in range(rows)], prefix=f"decode{rows}")
+                out["decode_step_ms"][rows] = m["tpot_p50_s"] * 1e3
+            if args.profile:
+                out["profile"] = profile_decode(engine, vocab, args.out)
+        if not args.no_full:
+            full = rc.max_model_len - FULL_OUTPUT
+            rows = rc.decode_batch
+            out["full_load"] = run_workload(engine, [([3 + (i * 104729 + j * 31) % (vocab - 3) for j in range(full)],
+                                                      FULL_OUTPUT) for i in range(rows)], prefix="full")
+            out["full_load"]["prompt_tokens"] = rows * full
+            out["full_load"]["prefill_tokens_per_s"] = rows * full / out["full_load"]["ttft_p99_s"]
         out["preemptions"] = engine.scheduler.num_preemptions
     finally:
         engine.shutdown()
@@ -141,6 +153,7 @@ def load_command(args: argparse.Namespace) -> dict:
     out["samples"] = sampler.samples
     out["torch_max_reserved_bytes"] = torch.cuda.max_memory_reserved() if ON_GPU else 0
     out["util"] = args.util
+    out["graphs"] = [n for n in out["notes"] if "static buffers" in n]
     out["peak_fraction"] = out["peak_bytes"] / out["total_bytes"]
     out["ok"] = out["peak_fraction"] <= args.util or not ON_GPU      # the CPU's RSS is no driver's view: not judged
     return out
@@ -259,11 +272,12 @@ def line_oracles(out: Path) -> Line:
 
 
 def line_memory(out: Path, key: str, title: str, overrides: list[str], util: float, baseline: int,
-                speed: bool = False) -> Line:
+                *flags: str) -> Line:
+    """A `load` subprocess: the memory promise (unless --no-full) and, with --speed, the speed figures."""
     line = Line(key, title)
     log = out / f"{key}.log"
     cmd = [sys.executable, str(Path(__file__)), "load", "--util", str(util), "--baseline", str(baseline),
-           "--out", str(out), *(["--speed"] if speed else []), "--", *overrides]
+           "--out", str(out), *flags, "--", *overrides]
     proc = run(cmd, log, 240)
     if proc.returncode != 0:
         line.status, line.detail = "FAIL", f"exit {proc.returncode}: {tail(log)}"
@@ -271,15 +285,22 @@ def line_memory(out: Path, key: str, title: str, overrides: list[str], util: flo
     r = result_json(log)
     line.figures = r
     gib = 2 ** 30
-    line.status = "PASS" if r["ok"] else "FAIL"
-    line.detail = (f"peak {r['peak_bytes'] / gib:.2f} GiB of {r['total_bytes'] / gib:.2f} GiB = "
-                   f"{r['peak_fraction']:.3f} (limit {util}); peak_non_kv {r['peak_non_kv_bytes'] / gib:.2f} GiB, KV "
-                   f"{r['kv_cache_bytes'] / gib:.2f} GiB, {r['capacity_slots']} slots; full load "
-                   f"{r['full_load']['prompt_tokens']} prompt tokens, TPOT p50 {r['full_load']['tpot_p50_s'] * 1e3:.1f} ms")
-    if speed:
+    line.status = "PASS" if r["ok"] or "--no-full" in flags else "FAIL"
+    parts = []
+    if "full_load" in r:
+        f = r["full_load"]
+        parts.append(f"peak {r['peak_bytes'] / gib:.2f} GiB of {r['total_bytes'] / gib:.2f} GiB = "
+                     f"{r['peak_fraction']:.3f} (limit {util}); peak_non_kv {r['peak_non_kv_bytes'] / gib:.2f} GiB, KV "
+                     f"{r['kv_cache_bytes'] / gib:.2f} GiB, {r['capacity_slots']} slots; full load "
+                     f"{f['prompt_tokens']} prompt tokens at {f['prefill_tokens_per_s']:.0f} tok/s prefill, TPOT p50 "
+                     f"{f['tpot_p50_s'] * 1e3:.1f} ms")
+    if "speed" in r:
         s = r["speed"]
-        line.detail += (f"; 64 x 128 -> 128: {s['output_tokens_per_s']:.0f} tok/s, TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} "
-                        f"ms, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms")
+        steps = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in r["decode_step_ms"].items())
+        parts.append(f"64 x 128 -> 128: {s['output_tokens_per_s']:.0f} tok/s, TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} ms, "
+                     f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; decode step {steps}")
+    parts.append("graphs: " + (r["graphs"][0] if r["graphs"] else "off"))
+    line.detail = "; ".join(parts)
     return line
 
 
@@ -391,6 +412,8 @@ def main() -> int:
     load.add_argument("--baseline", type=int, required=True)
     load.add_argument("--out", default=".")
     load.add_argument("--speed", action="store_true")
+    load.add_argument("--profile", action="store_true")
+    load.add_argument("--no-full", action="store_true")
     load.add_argument("overrides", nargs="*")
     sub.add_parser("hf-generate")
     args = parser.parse_args()
@@ -410,17 +433,19 @@ def main() -> int:
         capture_output=True, text=True).stdout.strip()
     baseline = nvml_used()
     plan: list[tuple[str, float, object]] = [      # (key, seconds it needs at least, how to run it)
-        ("a-qwen3_tiny", 40, lambda: line_bench(out, ["+model=qwen3_tiny"], "qwen3_tiny")),
-        ("a-dsv4_tiny", 40, lambda: line_bench(out, [], "dsv4_tiny")),
         ("b", 90, lambda: line_oracles(out)),
-        ("c-0.5", 80, lambda: line_memory(out, "c-0.5", "Qwen3-8B layout at utilization 0.5, full load", QWEN3_8B,
-                                          0.5, baseline, speed=True)),
+        ("c-0.5", 80, lambda: line_memory(out, "c-0.5", "Qwen3-8B layout at utilization 0.5, full load; speed",
+                                          QWEN3_8B, 0.5, baseline, "--speed", "--profile")),
+        ("f", 60, lambda: line_transformers(out, next((ln for ln in lines if ln.key == "c-0.5"), None))),
+        ("g", 50, lambda: line_memory(out, "g", "Qwen3-8B layout speed with device.graphs=false (eager decode)",
+                                      [*QWEN3_8B, "device.graphs=false"], 0.5, baseline, "--speed", "--no-full")),
+        ("a-qwen3_tiny", 30, lambda: line_bench(out, ["+model=qwen3_tiny"], "qwen3_tiny")),
         ("d", 80, lambda: line_memory(out, "d", "DeepSeek V4 real widths, 6 layers, at utilization 0.85, full load",
                                       DSV4_6, 0.85, baseline)),
-        ("c-0.85", 60, lambda: line_memory(out, "c-0.85", "Qwen3-8B layout at utilization 0.85, full load", QWEN3_8B,
+        ("c-0.85", 50, lambda: line_memory(out, "c-0.85", "Qwen3-8B layout at utilization 0.85, full load", QWEN3_8B,
                                            0.85, baseline)),
-        ("e", 40, lambda: line_serve(out)),
-        ("f", 60, lambda: line_transformers(out, next((ln for ln in lines if ln.key == "c-0.5"), None))),
+        ("e", 30, lambda: line_serve(out)),
+        ("a-dsv4_tiny", 40, lambda: line_bench(out, [], "dsv4_tiny")),
     ]
     lines: list[Line] = []
     for key, needs, go in plan:

@@ -20,7 +20,9 @@
    function and margin mode=plan uses);
 7. allocate every group's pool (plan blocks + decode_batch scratch pages); when an allocation fails, free
    everything and re-plan from the free memory the devices then report (planner.slots_that_fit);
-8. return the runner and a StartupReport of what was finally allocated.
+8. with device.graphs on (null: on for accelerators), capture the runner's decode graphs over the final pools (the
+   profile captured them once on the scratch pools, so their memory is in peak_non_kv; npu/graphs.py);
+9. return the runner and a StartupReport of what was finally allocated.
 
 The planning half runs unchanged with a scripted backend and a shape-only runner (tests/support/fake_device.py),
 so NPU-scale startups are tested on a CPU without allocating anything.
@@ -166,6 +168,9 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, at_start: 
                 if tracker is not None:     # every weight is resident, also those no profiled step reads
                     tracker.adopt([*runner.pools.values(), *runner.weight_tensors()])
                 ran = profile_worst_steps(runner, limits)
+                graphs = capture_graphs(rc, backend, runner)    # on scratch pages: their memory is in the peak
+                if graphs:
+                    ran += (f"decode graphs: {graphs}",)
                 backend.synchronize()
             stats = probe_devices(backend)
         finally:
@@ -187,6 +192,18 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, at_start: 
     return Measurement(tuple(devices), tuple(s.peak_allocated_bytes for s in stats),
                        tuple(s.non_torch_bytes for s in stats), tuple(s.peak_reserved_bytes for s in stats), scratch,
                        ran, load_s, profile_s)
+
+
+def graphs_on(rc: RuntimeConfig, backend: Backend) -> bool:
+    """device.graphs, or when null: on for accelerators, off on the CPU (nothing to record there)."""
+    return rc.device.graphs if rc.device.graphs is not None else backend.kind in ("cuda", "npu")
+
+
+def capture_graphs(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> str | None:
+    """The runner's decode graphs for batches up to decode_batch, where device.graphs is on (npu/graphs.py)."""
+    if not graphs_on(rc, backend):
+        return None
+    return runner.capture_graphs(rc.decode_batch, backend.kind in ("cuda", "npu"), rc.max_model_len)
 
 
 def memory_note(m: Measurement, backend: Backend) -> str:
@@ -346,6 +363,7 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None, runner: ModelRunne
             plan = plan_for_config(rc, devices, num_slots_override=min(slots))
             plan, _ = phase("re-allocating", lambda: allocate(rc, backend, runner, plan, devices))
             retries += 1
+    graphs = phase("capturing graphs", lambda: capture_graphs(rc, backend, runner))
     alloc_s = time.perf_counter() - t0
     notes = [
         "profiled on scratch pages: " + "; ".join(m.profiled_steps),
@@ -358,6 +376,8 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None, runner: ModelRunne
     elif backend.count > 1:
         notes.append(f"the runner was profiled on {backend.device_name(RUNNER_DEVICE)}; each device is planned with "
                      "at least that peak (identical data-parallel replicas)")
+    if graphs:
+        notes.append(graphs)
     if retries:
         notes.append(f"pool allocation failed {retries} time(s); re-planned from the free memory the devices "
                      f"reported, down to {plan.capacity_slots} slot(s)")

@@ -11,8 +11,8 @@ norm + RoPE and SiLU-and-mul go through npu.fused_norms (one C++ pass each on CP
 Attention, on an NPU where the fused kernel applies: one call per layer for every row
 (npu.fused_attention). Elsewhere, SDPA with bool masks (or is_causal), which accelerator backends keep on
 their fused kernels:
-- decode rows, batched: on CPU, a C++ kernel reads each row's pages in place (npu.paged_attention_cpu).
-  Otherwise, per layer the K and V planes of their pages are gathered from the layer's contiguous pool
+- decode rows, batched: on CPU, a C++ kernel reads each row's pages in place (npu.paged_attention_cpu); on a GPU,
+  a Triton kernel does (npu.paged_attention_triton), with the same launches every step. Otherwise, per layer the K and V planes of their pages are gathered from the layer's contiguous pool
   (one index_select into a reused buffer), then one SDPA with a kv head's query heads as the query axis
   (GQA without repeating K/V), masked only where contexts differ. Rows of very different lengths are
   split into a few buckets by context length, so short contexts are not padded to the longest one;
@@ -38,8 +38,10 @@ from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op
 from npu.fused_norms import layer_norms
+from npu.graphs import DecodeGraphs, batch_buckets
 from npu.linear import Projection
-from npu.paged_attention_cpu import paged_decode_attention
+from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
+from npu.paged_attention_triton import TritonDecodeAttention, triton_decode_attention
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch, logits_offsets
 
@@ -89,9 +91,15 @@ class Qwen3Runner(ModelRunner):
         op = fused_attention_op(self.device, self.dtype, self.block_size)
         self.fused_attention = None if op is None else FusedPagedAttention(
             op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
-        self.paged_decode = None if self.fused_attention is not None else paged_decode_attention(
-            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        # Decode rows read their pages in place: the C++ kernel on a CPU, the Triton kernel on a GPU; None: gather +
+        # SDPA (and on an NPU the fused kernel takes every row).
+        self.paged_decode: PagedDecodeAttention | TritonDecodeAttention | None = None
+        if self.fused_attention is None:
+            self.paged_decode = (paged_decode_attention if self.device.type == "cpu" else triton_decode_attention)(
+                self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
+        self.graphs: DecodeGraphs | None = None                # decode steps through static buffers (capture_graphs)
+        self.graph_pages = 0                                   # page-table width of those buffers: max_model_len
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -130,6 +138,7 @@ class Qwen3Runner(ModelRunner):
 
     # -- pools -------------------------------------------------------------------------------------
     def free_pools(self) -> None:
+        self.release_graphs()                                 # they read the pools at their addresses
         super().free_pools()
         self._kv_buf = torch.empty(0, device=self.device)     # the gather workspace goes with the pools
         self._kv_offsets = None
@@ -193,6 +202,10 @@ class Qwen3Runner(ModelRunner):
         if not pool.is_contiguous():
             raise ValueError("the kv pool must be contiguous")
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
+        if self.graphs is not None and _decode_only(batch) and self.graphs.bucket(len(batch.seqs)) is not None:
+            return _GraphStep.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
+                                    self.graphs.bucket(len(batch.seqs)), self.graph_pages,  # type: ignore[arg-type]
+                                    self.scratch_page(KV, 0))
         return _StepLayout.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
                                  fused=self.fused_attention is not None, paged=self._paged(pool))
 
@@ -200,13 +213,20 @@ class Qwen3Runner(ModelRunner):
         return self.paged_decode is not None and pool.dtype == self.dtype
 
     @torch.inference_mode()
-    def forward(self, layout: "_StepLayout | None") -> torch.Tensor:
-        """The device half: uploads the step's indices, then the layers; no host sync."""
+    def forward(self, layout: "_StepLayout | _GraphStep | None") -> torch.Tensor:
+        """The device half: uploads the step's indices, then the layers (or replays the decode graph of its batch
+        bucket, npu.graphs); no host sync."""
         if layout is None:
             return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
+        if isinstance(layout, _GraphStep):
+            assert self.graphs is not None
+            return self.graphs.replay(layout.rows, lambda inputs: inputs.buffer.copy_(layout.host, non_blocking=True))
+        return self._run(_StepMeta.upload(layout, self._arange, self._parity, self.device))
+
+    def _run(self, meta: "_StepMeta") -> torch.Tensor:
+        """The layers over one step's device metadata: the logits of its sampled rows."""
         pool = self.pools[KV]
         rows = pool.view(-1, self.num_kv_heads * self.head_dim)
-        meta = _StepMeta.upload(layout, self._arange, self._parity, self.device)
         kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
         rope = self._rope(meta.positions, meta.max_pos)
 
@@ -242,6 +262,39 @@ class Qwen3Runner(ModelRunner):
         """A row-parallel projection's output: this rank's partial product, summed over the tensor-parallel
         ranks (one all-reduce; nothing to sum in a one-process deployment)."""
         return partial if self.tensor_parallel is None else self.tensor_parallel.all_reduce(partial)
+
+    # -- decode graphs (npu/graphs.py) -----------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, record: bool, max_model_len: int) -> str | None:
+        """Decode steps of up to max_batch rows through static buffers, one per batch bucket, recorded as graphs
+        where the device has them and `record` is set (else replayed eagerly: the same path, for CPU tests).
+        Needs the paged decode kernel (its launches do not depend on the contexts' lengths) and one rank (no
+        collective inside a graph yet). Returns what was set up, for the startup report, or None."""
+        self.release_graphs()
+        if self.paged_decode is None or KV not in self.pools or not self._paged(self.pools[KV]) or self.place.world > 1:
+            return None
+        self.graph_pages = -(-max_model_len // self.block_size)
+        self._rope(torch.zeros(1, dtype=torch.long, device=self.device), max_model_len)   # sized once: no re-allocation
+        self.graphs = DecodeGraphs(self.device, batch_buckets(max_batch), self._static_inputs, self._run_static, record)
+        with torch.inference_mode():
+            self.graphs.capture()
+        kind = "recorded as device graphs" if self.graphs.recorded else "replayed eagerly (no device graphs)"
+        return f"decode steps of 1..{max_batch} rows through static buffers, buckets {list(self.graphs.buckets)}, {kind}"
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+
+    def _static_inputs(self, batch: int) -> "_StaticDecode":
+        return _StaticDecode.empty(batch, self.graph_pages, self.device)
+
+    def _run_static(self, inputs: "_StaticDecode") -> torch.Tensor:
+        """The layers over a bucket's static inputs: every row a decode row through the paged kernel."""
+        n = inputs.tokens.shape[0]
+        meta = _StepMeta(inputs.tokens, inputs.positions, inputs.write_rows, None, n, self._rope_table.shape[0] - 1,
+                         [_Decode(0, n, None, self.graph_pages * self.block_size, None, inputs.pages, inputs.lengths)],
+                         [], None)
+        return self._run(meta)
 
     def _attend(self, pool: torch.Tensor, li: int, qkv: torch.Tensor, q: torch.Tensor, meta: _StepMeta) -> torch.Tensor:
         """Attention of every row of the flat batch over layer li with SDPA: [n, heads, head_dim]."""
@@ -468,6 +521,65 @@ class _StepMeta:
             fused = FusedStep(table.to(device, non_blocking=True), query_ends, kv_lengths)
         return _StepMeta(t_tok, t_pos, t_rows, None if layout.all_rows else t_sample, n, layout.max_pos, decodes,
                          prefills, fused)
+
+
+def _decode_only(batch: StepBatch) -> bool:
+    """Every row computes one token and samples it (no prompt logprobs, no drafts): what a decode graph runs."""
+    return all(len(s.token_ids) == 1 and s.sample and not s.all_logits and not s.num_draft for s in batch.seqs)
+
+
+@dataclass
+class _StaticDecode:
+    """A decode bucket's static inputs on the device, views of one buffer (one copy fills them all): per row its
+    token, position, write row (K-plane row of its token in layer 0), context length, then its page table."""
+
+    buffer: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor
+    lengths: torch.Tensor
+    pages: torch.Tensor
+
+    @staticmethod
+    def empty(batch: int, width: int, device: torch.device) -> "_StaticDecode":
+        buffer = torch.zeros(batch * (4 + width), dtype=torch.long, device=device)
+        tokens, positions, write_rows, lengths, pages = buffer.split([batch, batch, batch, batch, batch * width])
+        return _StaticDecode(buffer, tokens, positions, write_rows, lengths, pages.view(batch, width))
+
+
+@dataclass
+class _GraphStep:
+    """The host half of a decode step that replays a graph: the bucket's static inputs as one host tensor (the
+    real rows, then padding rows that read and write a scratch page)."""
+
+    rows: int
+    host: torch.Tensor
+
+    @staticmethod
+    def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, batch: int, width: int,
+              scratch: int) -> "_GraphStep":
+        pad = batch - len(seqs)
+        tokens, positions, rows, lengths, pages = [], [], [], [], []
+        for s in seqs:
+            table = s.block_tables.get(KV)
+            used = -(-(s.start_pos + 1) // block_size)
+            if table is None or len(table) < used or used > width:
+                raise ValueError(f"request {s.request_id}: block table {KV!r} {table} does not cover position "
+                                 f"{s.start_pos} within {width} pages")
+            if not 0 <= min(table[:used]) <= max(table[:used]) < num_pages:
+                raise ValueError(f"request {s.request_id}: page id out of range [0, {num_pages}) in {table}")
+            tokens.append(s.token_ids[0])
+            positions.append(s.start_pos)
+            rows.append(table[used - 1] * page_stride + s.start_pos % block_size)
+            lengths.append(s.start_pos + 1)
+            pages += table[:used] + [0] * (width - used)
+        tokens += [0] * pad
+        positions += [0] * pad
+        rows += [scratch * page_stride] * pad
+        lengths += [1] * pad
+        pages += ([scratch] + [0] * (width - 1)) * pad
+        host = torch.frombuffer(array.array("q", tokens + positions + rows + lengths + pages), dtype=torch.long)
+        return _GraphStep(len(seqs), host)
 
 
 def _fused_step(order: list[tuple[SeqStep, list[int]]]) -> tuple[torch.Tensor, list[int], list[int]]:

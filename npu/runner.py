@@ -181,6 +181,15 @@ class ModelRunner(ABC):
             raise ValueError(f"a runner steps one data-parallel rank's batch, got {len(batches)} batches")
         return self.execute(batches[0])
 
+    def capture_graphs(self, max_batch: int, record: bool, max_model_len: int) -> str | None:
+        """Set up decode steps of up to max_batch rows as replayed device graphs (npu/graphs.py), recorded where
+        `record`; after the pools exist, since graphs keep their addresses. Returns a line for the startup report,
+        or None where the runner has no such path (the default)."""
+        return None
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (before their pools are freed)."""
+
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """The StepExecutor interface: a runner lives in this process; no other rank can be lost."""
 

@@ -100,6 +100,7 @@ class DeviceSettings:
     cpu_threads: int | None = None         # torch intra-op threads on the host CPU (None = one per idle core)
     non_torch_margin_bytes: int = 0        # per device, kept for memory outside torch's allocator (planner docstring)
     offline: bool = False                  # planning profile: no device is touched
+    graphs: bool | None = None             # decode steps as replayed device graphs (None: on for accelerators)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -168,3 +168,51 @@ def test_engine_oracle_workload_on_the_gpu(tmp_path):
                                                                                       for r in rest)})
     assert preempted > 0 and any(r.usage.cached_prompt_tokens for r in rest)
     assert ours == theirs
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_kernel_on_the_gpu_equals_attention_over_gathered_pages(dtype, tolerance):
+    from tests.npu.test_paged_attention_triton import gathered_attention
+    from npu.paged_attention_triton import triton_decode_attention
+    heads, kv_heads, dim, block, num_pages = 32, 8, 128, 16, 64
+    kernel = triton_decode_attention(torch.device("cuda"), dtype, heads, kv_heads, dim, block)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    planes = torch.randn(2 * num_pages, block, kv_heads * dim, generator=gen, device="cuda").to(dtype)
+    lengths = torch.tensor([1, 16, 17, 200, 511], device="cuda")
+    pages = torch.stack([torch.randperm(num_pages, device="cuda")[:32] for _ in range(5)])
+    q = torch.randn(5, heads, dim, generator=gen, device="cuda").to(dtype)
+    got = kernel(q, planes, pages, lengths).float().cpu()
+    want = gathered_attention(q.cpu(), planes.cpu(), pages.cpu(), lengths.cpu(), block, kv_heads)
+    report(f"triton_kernel_{str(dtype).removeprefix('torch.')}", {"max_abs_error": (got - want).abs().max().item()})
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="recorded graphs need a GPU")
+def test_recorded_decode_graphs_give_the_eager_steps_logits():
+    from npu.qwen3 import Qwen3Runner
+    from npu.step import SeqStep, StepBatch
+    model = load_runtime_config(["+model=qwen3_tiny"]).model
+    runners = []
+    for graphs in (False, True):
+        r = Qwen3Runner(model, "cuda")
+        r.load_weights()
+        r.allocate_pools({"kv": 64}, 8)
+        if graphs:
+            assert "recorded as device graphs" in r.capture_graphs(8, record=True, max_model_len=256)
+        runners.append(r)
+    rng = random.Random(0)
+    seqs = [(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randint(1, 100))], [8 * i + j for j in range(8)])
+            for i in range(5)]
+    for r in runners:
+        for name, tokens, table in seqs:
+            r.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": table}, sample=False)]))
+    worst = 0.0
+    for step in range(8):
+        batch = StepBatch([SeqStep(name, [rng.randrange(3, 500)], len(tokens) + step, {"kv": table})
+                           for name, tokens, table in seqs[:5 - step % 3]])
+        eager, replayed = (r.execute(batch) for r in runners)
+        worst = max(worst, (eager - replayed).abs().max().item())
+        assert eager.argmax(-1).tolist() == replayed.argmax(-1).tolist()
+    report("decode_graphs", {"max_abs_logit_difference": worst})
+    assert worst < 1e-3

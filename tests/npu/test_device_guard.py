@@ -3,7 +3,8 @@ a fake `cuda` device, the host half (ModelRunner.prepare) real. A cross-device o
 `.item()`, `bool(t)`, `.cpu()`, a data-dependent shape) or a `.view` that only the CPU's SDPA layout allows fails
 here as it fails on a GPU, on a machine without one.
 
-Covered, for both runners: prefill from position 0, decode rows of different contexts beside a chunk after cached
+Covered, for both runners (Qwen3's decode rows both through the Triton paged kernel and through gather + SDPA):
+prefill from position 0, decode rows of different contexts beside a chunk after cached
 tokens, every worst step the startup profile runs, the sampler's device half at the profile's largest batch
 (temperature, top-k, top-p), a constrained row's mask and the logprobs; for DeepSeek V4 also speculation's verify
 step (MTP drafting inside the step). tests/npu/test_device_guard_mutants.py re-plants the two bugs a real GPU found
@@ -33,12 +34,18 @@ DSV4_MTP = DSV4 + ["speculative.method=mtp", "speculative.num_tokens=2"]
 BLOCKS = 24
 
 
+QWEN3_GATHER = [*QWEN3, "model.name=gather"]    # Qwen3 whose decode rows take the gather + SDPA path, not Triton's
+
+
 def fake_runner(overrides: list[str]) -> tuple[ModelRunner, object]:
     """The arch's runner on fake CUDA with its seeded random weights (made on the device) and pools of BLOCKS pages
-    per group plus decode_batch scratch pages."""
+    per group plus decode_batch scratch pages. QWEN3_GATHER: decode rows through gather + SDPA (where Triton is not
+    installed), not the paged kernel."""
     rc = load_runtime_config(overrides)
     with fake_cuda(loading=True):
         runner = build_runner(rc.model, torch.device("cuda"))
+        if overrides is QWEN3_GATHER:
+            runner.paged_decode = None  # type: ignore[attr-defined]
         runner.load_weights()
         runner.allocate_pools({g.name: BLOCKS for g in rc.model.cache_groups}, rc.decode_batch)
     assert on_device(runner.pools[rc.model.cache_groups[0].name])
@@ -79,7 +86,7 @@ def serving_steps(runner: ModelRunner) -> list[StepBatch]:
     ]
 
 
-@pytest.mark.parametrize("overrides", [QWEN3, DSV4], ids=["qwen3", "dsv4"])
+@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4], ids=["qwen3", "qwen3_gather", "dsv4"])
 def test_serving_steps_run_on_the_device_alone(overrides):
     runner, _ = fake_runner(overrides)
     for batch in serving_steps(runner):
@@ -87,7 +94,7 @@ def test_serving_steps_run_on_the_device_alone(overrides):
         assert logits.shape[0] == sum(s.sample for s in batch.seqs)
 
 
-@pytest.mark.parametrize("overrides", [QWEN3, DSV4], ids=["qwen3", "dsv4"])
+@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4], ids=["qwen3", "qwen3_gather", "dsv4"])
 def test_the_profiles_worst_steps_run_on_the_device_alone(overrides):
     runner, rc = fake_runner(overrides)
     names = []

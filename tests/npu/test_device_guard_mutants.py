@@ -71,7 +71,7 @@ def test_qwen3_view_of_sdpa_output_fails_the_guard(monkeypatch):
     monkeypatch.setattr(Qwen3Runner, "_attend", rebuilt(Qwen3Runner._attend, npu.qwen3,
                                                         source.replace(fixed, "attn_mask=d.mask).view(d.count, nh, hd)")))
     with pytest.raises(Exception, match="view"):
-        guard.test_serving_steps_run_on_the_device_alone(guard.QWEN3)
+        guard.test_serving_steps_run_on_the_device_alone(guard.QWEN3_GATHER)
 
 
 def test_dsv4_host_tensor_indexed_by_a_device_mask_fails_the_guard(monkeypatch):
