@@ -343,6 +343,16 @@ def test_malformed_messages_are_invalid_argument(running, method, payload):
     channel.close()
 
 
+def test_a_malformed_message_in_a_request_stream_is_invalid_argument(running):
+    """Reflection reads a stream of requests: one that does not parse ends it INVALID_ARGUMENT (it was UNKNOWN)."""
+    srv = running()
+    channel = grpc.insecure_channel(srv.address)
+    reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    err = rpc_error(lambda: list(reflect(iter([b"\xff\xff\xff\x07garbage"]), timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request message" in err.details(), err
+    channel.close()
+
+
 def test_duplicate_request_id_in_flight_is_invalid_argument(running):
     srv = running(step_s=0.05)
     c = srv.client()
@@ -459,6 +469,15 @@ def test_bearer_token(base_rc, running):
         assert rpc_error(lambda: c.startup(timeout=10)).code() == grpc.StatusCode.UNAUTHENTICATED
     assert right.startup(timeout=10).capacity_slots == 4
     assert right.complete("hi", max_tokens=3)[0] == expected_tokens("hi", 3)
+    # A method that does not exist tells a caller without the token nothing (UNIMPLEMENTED would list the API).
+    channel = grpc.insecure_channel(srv.address)
+    unary = channel.unary_unary("/appliance.v1.Appliance/NoSuchMethod")
+    stream = channel.stream_stream("/no.such.Service/Stream")
+    for call in (lambda md: unary(b"", timeout=10, metadata=md),
+                 lambda md: list(stream(iter([b""]), timeout=10, metadata=md))):
+        assert rpc_error(lambda: call(None)).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert rpc_error(lambda: call((("authorization", "Bearer s3cret"),))).code() == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
 
 
 def test_the_token_is_never_returned_or_written(running, tmp_path, capsys):
