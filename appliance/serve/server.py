@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import signal
 import socket
 import sys
@@ -63,6 +64,7 @@ from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import open_stream
 from appliance.serve.tls import load_tls_pair
 
+log = logging.getLogger("appliance.serve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
 EXIT_ENGINE_FAILED = 1       # the engine stopped while serving (a rank died): a service manager restarts it
@@ -112,6 +114,10 @@ class ApplianceService(pb_grpc.ApplianceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"wait queue full: {exc}")
         except EngineUnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}")
+        except Exception as exc:      # noqa: BLE001 - INTERNAL and why, rather than gRPC's UNKNOWN
+            log.exception("submit failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                short(f"the request could not be submitted: {type(exc).__name__}: {exc}"))
 
         finished = False
         try:

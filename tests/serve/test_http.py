@@ -22,7 +22,7 @@ from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.server import ApplianceServer, ServerBindError
 from tests.serve import test_server
 from tests.serve.certs import needs_openssl, self_signed_cert
-from tests.serve.fake_engine import FakeEngine, fake_token
+from tests.serve.fake_engine import FakeEngine, fail_submit, fake_token
 from tests.serve.test_server import Running, wait_for
 
 running = test_server.running       # the fake-engine server fixture, here with this module's base_rc
@@ -276,13 +276,7 @@ def test_an_unexpected_submit_failure_is_a_json_500_and_the_connection_goes_on(r
     the kept-alive connection."""
     srv = running()
     conn = http.client.HTTPConnection("127.0.0.1", http_port(srv), timeout=20)
-    submit = srv.engine.submit
-
-    def failing(request_id, prompt, params, on_output=None):
-        if prompt == "fail":
-            raise ValueError("can't determine decoder type: None")
-        return submit(request_id, prompt, params, on_output)
-    srv.engine.submit = failing
+    fail_submit(srv.engine, "fail", ValueError("can't determine decoder type: None"))
     for prompt, status in (("fail", 500), ("hi", 200)):
         conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
                      {"Content-Type": "application/json"})

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 from tests.serve.certs import needs_openssl, self_signed_cert  # noqa: E402
-from tests.serve.fake_engine import FakeEngine, fake_token  # noqa: E402
+from tests.serve.fake_engine import FakeEngine, fail_submit, fake_token  # noqa: E402
 
 
 def expected_tokens(prompt: str, n: int) -> list[int]:
@@ -351,6 +351,15 @@ def test_a_malformed_message_in_a_request_stream_is_invalid_argument(running):
     err = rpc_error(lambda: list(reflect(iter([b"\xff\xff\xff\x07garbage"]), timeout=10)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request message" in err.details(), err
     channel.close()
+
+
+def test_an_unexpected_submit_failure_is_internal_not_unknown(running):
+    srv = running()
+    fail_submit(srv.engine, "fail", ValueError("can't determine decoder type: None"))
+    c = srv.client()
+    err = rpc_error(lambda: c.complete("fail", max_tokens=2))
+    assert err.code() == grpc.StatusCode.INTERNAL and "ValueError: can't determine decoder type" in err.details()
+    assert c.complete("hi", max_tokens=2)[0] == expected_tokens("hi", 2)
 
 
 def test_duplicate_request_id_in_flight_is_invalid_argument(running):
