@@ -145,10 +145,6 @@ class OpenAIRoutes:
             raise ApiError(429, f"wait queue full: {exc}; retry later", type_="rate_limit_error") from None
         except EngineUnavailableError as exc:
             raise ApiError(503, f"engine unavailable: {exc}", type_="service_unavailable") from None
-        except Exception as exc:      # noqa: BLE001 - a JSON 500 keeps the connection; a bare raise would not
-            log.exception("submit failed")
-            raise ApiError(500, f"the request could not be submitted: {type(exc).__name__}",
-                           type_="server_error") from None
 
     async def _open_choices(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                             renamed: dict[str, str], n: int) -> list[RequestStream]:
@@ -514,12 +510,19 @@ def create_app(server: ServingState, chat_format: ChatFormat | None) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(http: Request, call_next):
+        """The bearer token; and an unexpected fault in a handler answered as a JSON 500 that keeps the connection
+        (Starlette's own 500 is plain text, and uvicorn then closes the connection)."""
         if token and http.url.path not in OPEN_PATHS \
                 and not bearer_token_matches(http.headers.get("authorization"), token):
             err = ApiError(401, "missing or wrong bearer token (send the header Authorization: Bearer <token>)",
                            type_="authentication_error", code="invalid_api_key")
             return JSONResponse(err.body(), status_code=401, headers={"www-authenticate": "Bearer"})
-        return await call_next(http)
+        try:
+            return await call_next(http)
+        except Exception as exc:       # noqa: BLE001 - logged; the client gets its name
+            log.exception("unexpected error answering %s", http.url.path)
+            err = ApiError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", type_="server_error")
+            return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
