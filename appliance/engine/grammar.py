@@ -14,7 +14,8 @@ No request's grammar may crash the process, hang the loop or stall the other str
   overflows at about 2,700, and the process dies of SIGSEGV), within COMPILE_TIMEOUT_S. Its first two masks are
   computed there too: the first builds the lexer (the costly part), the second must fit MASK_BUDGET_S of CPU;
 - each step's masks are filled off the loop thread, one task per row, started before the model step so that they
-  overlap it. A row is refused when its mask took more than MASK_BUDGET_S of CPU, is not done MASK_WAIT_S after the
+  overlap it. A row is refused when its mask takes more than MASK_BUDGET_S of CPU (the loop reads the filling
+  thread's CPU clock while it waits: it stops waiting for a row past the budget), is not done MASK_WAIT_S after the
   fills began, or its grammar stopped with an error (llguidance's own limits, PARSER_LIMITS): its request ends with
   a short error naming its field (the front ends answer 400 / INVALID_ARGUMENT), and the step goes on for the rest.
 """
@@ -50,6 +51,7 @@ COMPILE_TIMEOUT_S = 10.0        # compile and first masks of one constraint (0.5
 # JSON schemas, tool calls and free text); a 200,000-character literal takes 60 ms, every step.
 MASK_BUDGET_S = 0.02
 MASK_WAIT_S = 0.5               # how long after the fills began the loop waits for the last row's mask
+MASK_POLL_S = 0.005             # while a mask is late, how often the loop looks at the CPU time it has taken
 MASK_THREADS = 256              # rows whose masks fill at once (threads are made only as rows need them)
 # llguidance's own limits on one mask (lexer fuel, Earley items, items in a row: its defaults); errors without the
 # grammar and parser state they would otherwise carry (an error must stay short: it goes to the client).
@@ -137,13 +139,16 @@ class GrammarMatcher:
             self.compiler.closed()
 
 
-def fill_row(matcher: GrammarMatcher, bitmask: NDArray, row: int) -> tuple[float, str]:
-    """Fill bitmask[row] with what `matcher` allows next: (the CPU seconds it took, the grammar's error or "")."""
+def fill_row(matcher: GrammarMatcher, bitmask: NDArray, row: int, clocks: list) -> tuple[float, str]:
+    """Fill bitmask[row] with what `matcher` allows next: (the CPU seconds it took, the grammar's error or ""). While
+    it fills, clocks[row] holds this thread's CPU clock and its reading at the start (the loop reads it meanwhile)."""
     with matcher.lock:
         live = matcher.live()
-        start = time.thread_time()
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        start = time.clock_gettime(clock)
+        clocks[row] = (clock, start)
         llguidance.numpy.fill_next_token_bitmask(live, bitmask, row)
-        return time.thread_time() - start, live.get_error() if live.is_error() else ""
+        return time.clock_gettime(clock) - start, live.get_error() if live.is_error() else ""
 
 
 class MaskFill:
@@ -153,15 +158,33 @@ class MaskFill:
         self.budget_s, self.wait_s = compiler.mask_budget_s, compiler.mask_wait_s
         self.bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), compiler.vocab_size)
         self.began = time.monotonic()
-        self.tasks = [compiler.mask_threads.submit(fill_row, m, self.bitmask, i) for i, m in enumerate(matchers)]
+        self.clocks: list[tuple[int, float] | None] = [None] * len(matchers)
+        self.tasks = [compiler.mask_threads.submit(fill_row, m, self.bitmask, i, self.clocks)
+                      for i, m in enumerate(matchers)]
+
+    def cpu_used(self, row: int) -> float:
+        """CPU seconds the fill of `row` has taken so far (0 before it starts)."""
+        clock = self.clocks[row]
+        return 0.0 if clock is None else time.clock_gettime(clock[0]) - clock[1]
 
     def result(self) -> tuple[NDArray, dict[int, str]]:
         """The bitmask ([rows, ceil(vocab / 32)] int32), and the rows refused with why: a refused row's mask must
-        not be used (a fill that outlasted the wait may still write it)."""
-        done, _ = wait(self.tasks, timeout=max(0.0, self.began + self.wait_s - time.monotonic()))
+        not be used (a fill that outlasted the wait may still write it). Waits until every fill is done, or has
+        used more CPU than the budget, or wait_s has passed since the fills began."""
+        _, pending = wait(self.tasks, timeout=0)
+        over: dict[int, float] = {}                # row -> CPU seconds its fill had taken when seen over the budget
+        deadline = self.began + self.wait_s
+        while pending and time.monotonic() < deadline:
+            _, pending = wait(pending, timeout=min(MASK_POLL_S, max(0.0, deadline - time.monotonic())))
+            running = {i for i, task in enumerate(self.tasks) if task in pending and i not in over}
+            over |= {i: cpu_s for i in running if (cpu_s := self.cpu_used(i)) > self.budget_s}
+            if running <= over.keys():
+                break
         refused: dict[int, str] = {}
         for i, task in enumerate(self.tasks):
-            if task not in done:
+            if i in over:
+                refused[i] = self.over_budget(over[i], "over ")
+            elif task in pending:
                 refused[i] = (f"its token mask was not computed within {self.wait_s:g} s (the grammar is too complex "
                               f"for the grammar library)")
             elif task.exception() is not None:
@@ -171,9 +194,12 @@ class MaskFill:
                 if error:
                     refused[i] = f"the grammar library stopped it: {library_reason(error)}"
                 elif cpu_s > self.budget_s:
-                    refused[i] = (f"its token mask took {cpu_s * 1e3:.0f} ms of CPU; at most "
-                                  f"{self.budget_s * 1e3:g} ms (the grammar is too complex: simplify it)")
+                    refused[i] = self.over_budget(cpu_s)
         return self.bitmask, refused
+
+    def over_budget(self, cpu_s: float, over: str = "") -> str:
+        return (f"its token mask took {over}{cpu_s * 1e3:.0f} ms of CPU; at most {self.budget_s * 1e3:g} ms (the "
+                f"grammar is too complex: simplify it)")
 
 
 class GrammarCompiler:

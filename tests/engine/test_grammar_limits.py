@@ -80,6 +80,20 @@ def test_a_mask_over_the_budget_is_refused_at_submit(tokenizer):
     assert compiler.num_live == 0
 
 
+def test_masks_done_before_a_long_step_ends_are_used_however_long_it_took(tokenizer):
+    """The wait bound counts from when the fills began (before the model step): a step longer than it must not
+    refuse masks that were done in time."""
+    compiler = GrammarCompiler(tokenizer, 512)
+    matchers = [compiler.matcher(OutputConstraint.regex("[a-z]{3}")) for _ in range(3)]
+    fill = compiler.start_fill(matchers)
+    assert all(task.result(10) for task in fill.tasks)
+    fill.began -= 10 * compiler.mask_wait_s                   # as if the model step had taken that long
+    bitmask, refused = fill.result()
+    assert refused == {} and bitmask.shape == (3, 16) and (bitmask != -1).all()
+    for matcher in matchers:
+        matcher.close()
+
+
 def test_refusals_are_short_without_the_grammar(tokenizer):
     """The library quotes the grammar around a fault: the message keeps its first line, cut to 200 characters."""
     compiler = GrammarCompiler(tokenizer, 512)
@@ -143,10 +157,10 @@ def test_a_stuck_mask_is_abandoned_after_the_wait_and_the_loop_goes_on(engine, m
     release, fill_row = threading.Event(), grammar.fill_row
     stuck = OutputConstraint.regex("[a-z]{30}")
 
-    def held_fill(matcher, bitmask, row):
+    def held_fill(matcher, bitmask, row, clocks):
         if matcher.compiler is engine.grammars and getattr(matcher, "stuck", False):
-            release.wait(60)
-        return fill_row(matcher, bitmask, row)
+            release.wait(60)                                    # (waiting takes no CPU: only the wait bound ends it)
+        return fill_row(matcher, bitmask, row, clocks)
     monkeypatch.setattr(grammar, "fill_row", held_fill)
     submit = engine.grammar_compiler().matcher
 
