@@ -165,7 +165,12 @@ class MaskFill:
     def cpu_used(self, row: int) -> float:
         """CPU seconds the fill of `row` has taken so far (0 before it starts)."""
         clock = self.clocks[row]
-        return 0.0 if clock is None else time.clock_gettime(clock[0]) - clock[1]
+        if clock is None:
+            return 0.0
+        try:
+            return time.clock_gettime(clock[0]) - clock[1]
+        except OSError:               # the thread has ended (the engine shut down)
+            return 0.0
 
     def result(self) -> tuple[NDArray, dict[int, str]]:
         """The bitmask ([rows, ceil(vocab / 32)] int32), and the rows refused with why: a refused row's mask must
