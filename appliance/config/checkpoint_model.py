@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from appliance.config import schema
+from appliance.core import bounded_json
 from appliance.core.archs import architecture_for_hf, hf_config
 from appliance.core.archs.hf_config import HfConfigError, values_agree
 from appliance.core.errors import ConfigIssue
@@ -42,7 +43,7 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
         return [ConfigIssue("model.weights", model.weights, f"{path} does not exist: model.weights must be a "
                                                             f"checkpoint directory with config.json")]
     try:
-        cfg = hf_config.config_object(json.loads(path.read_text()))
+        cfg = hf_config.config_object(bounded_json.loads(path.read_text()))
         hf_config.check_kind("architectures", cfg.get("architectures"), list[str] | None)
         arch = architecture_for_hf(cfg.get("architectures") or [])
         hf_config.check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds, arch.layout)

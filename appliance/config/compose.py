@@ -392,6 +392,8 @@ def _check_layout(c: Checker, model: DictConfig, lay: Layout | None) -> None:
                 "block_size", "max_model_len_cap"):
         c.positive_int(f"model.layout.{key}", getattr(lay, key))
     c.dtype("model.layout.dtype", lay.dtype)
+    c.issues += declared_rule_issues(type(lay), {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay)},
+                                     "model.layout.")     # the rules declared with layout keys (rms_norm_eps > 0)
     if lay.num_kv_heads > 0:
         c.check(lay.num_heads % lay.num_kv_heads == 0, "model.layout.num_kv_heads", lay.num_kv_heads,
                 f"must divide model.layout.num_heads ({lay.num_heads})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from appliance.core import bounded_json
 from appliance.core.archs import architecture
 from appliance.core.archs.hf_config import HfConfigError, check_value_kinds, identity_issue, json_kind, values_agree
 from appliance.core.config import ModelSpec
@@ -22,7 +23,7 @@ def check_checkpoint_config(checkpoint_dir: str | Path, model: ModelSpec) -> Non
         raise CheckpointError(f"checkpoint {str(checkpoint_dir)!r} (model.weights) has no config.json. Fix: copy the "
                               f"checkpoint's config.json next to its *.safetensors files")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = bounded_json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
                               f"checkpoint's config.json") from None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
-from appliance.core.rules import Rule, draft_tokens, positive_int
+from appliance.core.rules import Rule, draft_tokens, positive_int, positive_number
 
 DERIVED = "derived"
 DECLARED_AS = "declared_as"
@@ -68,7 +68,7 @@ class Layout:
     block_size: int                        # tokens per KV-cache block
     max_model_len_cap: int                 # longest sequence the layout supports
     dtype: str = "bfloat16"                # activations and dense weights
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = setting(1e-6, rule=positive_number)   # a norm divides by sqrt(mean + eps)
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     tokens_in_flight: int = 0              # prefill tokens a ring must hold beyond its span (no rings: 0)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from appliance.core.grammar_bounds import BoundError, check_json_nesting, check_lark, check_regex, check_schema
+
 if TYPE_CHECKING:                    # a TypedDict its stub declares (no runtime name)
     from llguidance._lib import JsonCompileOptions
 
@@ -52,8 +54,13 @@ class OutputConstraint:
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str, field: str = "response_format.json_schema.schema"
                     ) -> "OutputConstraint":
-        """A schema as a dict or as JSON text (kept as text: the constraint stays frozen and hashable)."""
-        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+        """A schema as a dict or as JSON text (kept as text: the constraint stays frozen and hashable);
+        ConstraintError for a dict too deep to write as JSON."""
+        try:
+            text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+        except (ValueError, RecursionError) as exc:
+            raise ConstraintError(field, f"cannot be written as JSON ({type(exc).__name__}: nested too deeply or "
+                                         f"circular)") from None
         return cls(ConstraintKind.JSON_SCHEMA, text=text, field=field)
 
     @classmethod
@@ -83,33 +90,52 @@ def choice_lark(choices: Sequence[str]) -> str:
 
 
 def constraint_grammar(constraint: OutputConstraint) -> str:
-    """The llguidance grammar (its JSON envelope) of a constraint; ConstraintError for a schema that is not a JSON
-    object. Whether the grammar compiles is validate_constraint's question."""
+    """The llguidance grammar (its JSON envelope) of a constraint (checked by check_constraint first);
+    ConstraintError for a schema the library cannot read. Whether the grammar compiles is the engine's compile
+    (appliance.engine.grammar), on a thread with a large stack and under a time bound."""
     # Imported here: the CLI's validate and plan modes import this module, and only requests need the library
     # (its import takes about 50 ms).
     from llguidance import LLMatcher
 
-    kind = constraint.kind
-    if kind is ConstraintKind.JSON_OBJECT:
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind is ConstraintKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(constraint.text)
-        except ValueError as exc:
-            raise ConstraintError(constraint.field, f"is not valid JSON ({exc})") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ConstraintError(constraint.field, f"must be a JSON schema object, not {type(schema).__name__}")
-        return LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_OPTIONS)
-    if kind is ConstraintKind.REGEX:
-        return LLMatcher.grammar_from_regex(constraint.text)
-    if kind is ConstraintKind.GRAMMAR:
-        return LLMatcher.grammar_from_lark(constraint.text)
-    return LLMatcher.grammar_from_lark(choice_lark(constraint.choices))
+    kind, field = constraint.kind, constraint.field
+    try:
+        if kind is ConstraintKind.JSON_OBJECT:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind is ConstraintKind.JSON_SCHEMA:
+            return LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_OPTIONS)
+        if kind is ConstraintKind.REGEX:
+            return LLMatcher.grammar_from_regex(constraint.text)
+        if kind is ConstraintKind.GRAMMAR:
+            return LLMatcher.grammar_from_lark(constraint.text)
+        return LLMatcher.grammar_from_lark(choice_lark(constraint.choices))
+    except ValueError as exc:           # the library's own refusal of a schema it cannot read
+        raise ConstraintError(field, f"is refused by the grammar compiler: {library_reason(str(exc))}") from None
 
 
-def validate_constraint(constraint: OutputConstraint) -> str:
-    """The constraint's grammar, checked by the library (a bad regex, schema or grammar is refused with the
-    library's message); ConstraintError naming the request field otherwise."""
+def parse_schema(text: str, field: str) -> Any:
+    """A schema's JSON text parsed, its nesting bounded first (Python's parser recurses: 100,000 levels would raise
+    RecursionError)."""
+    try:
+        check_json_nesting(text)
+        return json.loads(text)
+    except BoundError as exc:
+        raise ConstraintError(field, str(exc)) from None
+    except (ValueError, RecursionError) as exc:
+        raise ConstraintError(field, f"is not valid JSON ({library_reason(str(exc))})") from None
+
+
+def library_reason(message: str, limit: int = 200) -> str:
+    """The first line of a library's message, cut at `limit` characters: the grammar library's errors go on with
+    the grammar around the fault (a 98 KB error for an 89 KB request), and an error carried in gRPC metadata must
+    stay far below its 16 KiB limit."""
+    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def check_constraint(constraint: OutputConstraint) -> None:
+    """The checks that need no grammar library, done before anything is queued: valid Unicode, the size limits,
+    the choices, and the complexity bounds (appliance/core/grammar_bounds.py: rules, schema depth through $ref,
+    repetition product). ConstraintError naming the request field."""
     field = constraint.field
     for text in (constraint.text, *constraint.choices):
         try:
@@ -130,15 +156,15 @@ def validate_constraint(constraint: OutputConstraint) -> str:
     elif constraint.kind in (ConstraintKind.REGEX, ConstraintKind.GRAMMAR, ConstraintKind.JSON_SCHEMA) \
             and not constraint.text:
         raise ConstraintError(field, "must not be empty")
-    from llguidance import LLMatcher
-
     try:
-        grammar = constraint_grammar(constraint)
-    except ConstraintError:
-        raise
-    except ValueError as exc:           # the library's own refusal of a schema it cannot read
-        raise ConstraintError(field, f"is refused by the grammar compiler: {exc}") from None
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ConstraintError(field, f"is refused by the grammar compiler: {messages[0].strip()}")
-    return grammar
+        if constraint.kind is ConstraintKind.JSON_SCHEMA:
+            schema = parse_schema(constraint.text, field)
+            if not isinstance(schema, (dict, bool)):
+                raise ConstraintError(field, f"must be a JSON schema object, not {type(schema).__name__}")
+            check_schema(schema)
+        elif constraint.kind is ConstraintKind.REGEX:
+            check_regex(constraint.text)
+        elif constraint.kind is ConstraintKind.GRAMMAR:
+            check_lark(constraint.text)
+    except BoundError as exc:
+        raise ConstraintError(field, str(exc)) from None

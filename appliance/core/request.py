@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
-from appliance.core.constraint import ConstraintError, OutputConstraint, validate_constraint
+from appliance.core.constraint import ConstraintError, OutputConstraint, check_constraint
 
 
 class FinishReason(str, Enum):
@@ -70,6 +70,9 @@ class RequestOutput:
     # (nothing precedes it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None    # with prompt_logprobs (its first entry has no token)
+    # With error: the request field at fault when the request itself failed it (its grammar stopped in the grammar
+    # library): the front ends answer 400 / INVALID_ARGUMENT naming it rather than an engine failure.
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -200,7 +203,7 @@ def validate_sampling(params: SamplingParams, limits: RequestLimits) -> None:
                            f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     if params.constraint is not None:
         try:
-            validate_constraint(params.constraint)
+            check_constraint(params.constraint)
         except ConstraintError as exc:
             raise RequestError(exc.field, str(exc)) from None
 

@@ -15,6 +15,11 @@ def positive_int(value: Any) -> str | None:
     return None if ok else "must be a positive integer"
 
 
+def positive_number(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    return None if ok else "must be a finite number > 0"
+
+
 def non_negative(value: Any) -> str | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
     return None if ok else "must be >= 0"

@@ -9,7 +9,6 @@ on every machine. No torch here.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from appliance.core import bounded_json
 from appliance.core.errors import TokenizerError
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ SPECIAL_TOKENS = (BOS, EOS, PAD)
 CHAT_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "｜DSML｜",
                "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                "<|im_start|>", "<|im_end|>")
+# Ids beyond which decode goes through decode_batch, which releases the GIL: a million ids take 0.2 s, during which
+# a worker thread decoding them must not stall the server's event loop.
+DECODE_IN_BATCH_IDS = 4096
 # Names checkpoints commonly give their end-of-sequence token, tried when no config names it.
 EOS_NAMES = (EOS, "<|endoftext|>", "<|im_end|>", "</s>", "<｜end▁of▁sentence｜>", "<eos>")
 
@@ -152,7 +155,10 @@ class Tokenizer:
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > DECODE_IN_BATCH_IDS:  # decode_batch releases the GIL while it works (decode does not)
+            return self.tk.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tk.token_to_id(token)
@@ -168,23 +174,48 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, use_decode_stream)
 
 
+def _read_config(path: Path) -> dict:
+    """A checkpoint's JSON config file (a missing one reads as empty), within bounded_json's bounds;
+    TokenizerError naming the file when it cannot be read."""
+    if not path.is_file():
+        return {}
+    try:
+        value = bounded_json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"checkpoint file {str(path)!r} is not readable JSON ({exc}). Fix: restore the "
+                             f"checkpoint's {path.name}") from None
+    return value if isinstance(value, dict) else {}
+
+
 def _eos_from_configs(root: Path, tk: HfTokenizer) -> int | None:
     for name in ("generation_config.json", "config.json"):
-        f = root / name
-        if f.is_file():
-            value = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(value, list) and value:
-                value = value[0]
-            if isinstance(value, int):
-                return value
-    f = root / "tokenizer_config.json"
-    if f.is_file():
-        token = json.loads(f.read_text()).get("eos_token")
-        if isinstance(token, dict):
-            token = token.get("content")
-        if isinstance(token, str):
-            return tk.token_to_id(token)
+        value = _read_config(root / name).get("eos_token_id")
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, int):
+            return value
+    token = _read_config(root / "tokenizer_config.json").get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str):
+        return tk.token_to_id(token)
     return None
+
+
+def check_special_ids(root: Path, vocab_size: int) -> None:
+    """The eos and bos token ids that generation_config.json and config.json give lie in the vocabulary
+    [0, vocab_size): an id outside it is never sampled, so generation would never end on it."""
+    for name in ("generation_config.json", "config.json"):
+        config = _read_config(root / name)
+        for key in ("eos_token_id", "bos_token_id"):
+            value = config.get(key)
+            ids = value if isinstance(value, list) else [value]
+            bad = [i for i in ids if i is not None and not (isinstance(i, int) and not isinstance(i, bool)
+                                                            and 0 <= i < vocab_size)]
+            if bad:
+                raise TokenizerError(f"checkpoint file {str(root / name)!r}: {key}={value!r} is not a token id in the "
+                                     f"vocabulary [0, {vocab_size}) (model.layout.vocab_size). Fix: restore the "
+                                     f"checkpoint's {name}")
 
 
 class IncrementalDetokenizer:
@@ -235,6 +266,8 @@ def load_tokenizer_for(model: "ModelSpec") -> Tokenizer:
         tok = Tokenizer.from_file(Path(model.weights) / "tokenizer.json")
     else:
         return Tokenizer.build(model.layout.vocab_size)
+    check_special_ids(Path(model.tokenizer).parent if model.tokenizer else Path(model.weights),
+                      model.layout.vocab_size)
     if tok.vocab_size > model.layout.vocab_size:
         raise TokenizerError(f"tokenizer {tok.source} has {tok.vocab_size} ids but model.layout.vocab_size is "
                              f"{model.layout.vocab_size}: ids beyond the embedding would fail. Fix: use the "

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.constraint import library_reason
 from appliance.core.parallel import world_size
 from appliance.core.request import (
     EngineUnavailableError,
@@ -33,7 +34,7 @@ from appliance.core.request import (
 from appliance.core.startup_report import StartupReport
 from appliance.core.tables import startup_report_table
 from appliance.core.tokenizer import Tokenizer
-from appliance.engine.grammar import GrammarCompiler
+from appliance.engine.grammar import GrammarCompiler, MaskFill
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import (
     VerifyRows,
@@ -214,6 +215,8 @@ class Engine:
         if self._runner is not None:
             self._runner.shutdown()
         self._runner = None
+        if self.grammars is not None:
+            self.grammars.close()
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -378,6 +381,10 @@ class Engine:
             steps.append((s.seq, step))
         for batch in batches:
             batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
+        samplers = [s for s in scheduled if s.samples]
+        plain = [i for i, s in enumerate(samplers) if not s.num_draft]      # verifying rows sampled in _verify
+        drawn = [samplers[i] for i in plain]
+        masks = self._start_masks([s.seq for s in drawn])                  # filled while the model step runs
         if kv.num_partitions > 1:
             logits = runner.execute_partitions(batches)
         else:
@@ -391,12 +398,9 @@ class Engine:
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)
             logits = logits.index_select(0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
-        samplers = [s for s in scheduled if s.samples]
-        plain = [i for i, s in enumerate(samplers) if not s.num_draft]      # verifying rows sampled in _verify
         if len(plain) < len(samplers):
             logits = logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=logits.device))
-        drawn = [samplers[i] for i in plain]
-        self._mask_constrained(logits, [s.seq for s in drawn])
+        refused = self._mask_constrained(logits, [s.seq for s in drawn], masks)
         tokens = sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in drawn]) if drawn else []
         logprobs = sampled_logprobs(logits, [s.seq.params for s in drawn], tokens)
         self.steps += 1
@@ -411,6 +415,10 @@ class Engine:
         first = {id(s.seq) for s in samplers if not s.seq.output_token_ids}
         finished, appended = [], 0
         for s, new, new_logprobs in out:
+            if id(s.seq) in refused:
+                self._refuse(s.seq, refused[id(s.seq)])
+                finished.append(s.seq)
+                continue
             for token, logprob in zip(new, new_logprobs):
                 appended += 1
                 if self._append(s.seq, token, logprob):      # a stop among accepted drafts ends the row there
@@ -419,17 +427,36 @@ class Engine:
         self._record_tokens([s.seq for s in samplers], first, appended)
         return finished
 
-    def _mask_constrained(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _start_masks(self, seqs: list[Sequence]) -> tuple[list[int], MaskFill] | None:
+        """Begin filling the masks of the constrained rows (seqs[i] is row i) off this thread; None without any."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        return rows, self.grammar_compiler().start_fill([m for m in (seqs[i].matcher for i in rows) if m is not None])
+
+    def _mask_constrained(self, logits: torch.Tensor, seqs: list[Sequence],
+                          masks: tuple[list[int], MaskFill] | None) -> dict[int, str]:
         """Mask the logits of the constrained rows (seqs[i] is row i) to what their grammars allow next, before
         anything reads them: greedy, sampling and the sampled tokens' logprobs (which are therefore of the masked
         distribution, as vLLM's, whose grammar bitmask is applied before its sampler). A step without a
-        constrained row builds nothing."""
-        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
-            return
-        matchers = [m for m in (seqs[i].matcher for i in rows) if m is not None]
-        bitmask = self.grammar_compiler().fill_bitmask(matchers)
-        apply_token_bitmask(logits, rows, torch.from_numpy(bitmask))
+        constrained row builds nothing. The rows whose masks were refused (over the budget, or their grammar
+        stopped with an error) are left unmasked and returned, by id of their sequence, with why."""
+        if masks is None:
+            return {}
+        rows, fill = masks
+        bitmask, refused = fill.result()
+        kept = [k for k in range(len(rows)) if k not in refused]
+        if kept:                              # (a copy of the kept rows: a refused row's fill may still write)
+            kept_masks = bitmask[kept] if refused else bitmask
+            apply_token_bitmask(logits, [rows[k] for k in kept], torch.from_numpy(kept_masks))
+        return {id(seqs[rows[k]]): why for k, why in refused.items()}
+
+    def _refuse(self, seq: Sequence, why: str) -> None:
+        """End a constrained request whose grammar the library gave up on: the request's fault, not the engine's
+        (the front ends answer 400 / INVALID_ARGUMENT naming its field)."""
+        seq.error = why
+        seq.error_field = seq.params.constraint.field if seq.params.constraint is not None else "constraint"
+        self._finish(seq, FinishReason.ABORTED)
 
     def _verify(self, logits: torch.Tensor, drafted: torch.Tensor, verified: list[VerifyRows]
                 ) -> dict[int, tuple[list[int], list[TokenLogprob | None]]]:
@@ -482,9 +509,9 @@ class Engine:
         seq.append_token(token, logprob)
         grammar_done = False
         if seq.matcher is not None:
-            if not seq.matcher.accept(token):    # the mask allowed only what the grammar accepts: an engine fault
-                seq.error = f"the grammar refused token {token}, which its mask allowed: {seq.matcher.error()}"
-                self._finish(seq, FinishReason.ABORTED)
+            if not seq.matcher.accept(token):    # the mask allowed it: the library hit one of its limits
+                self._refuse(seq, f"the grammar library stopped it at output token {len(seq.output_token_ids)}: "
+                                  f"{library_reason(seq.matcher.error())}")
                 return True
             grammar_done = seq.matcher.terminated
         if token == self.tokenizer.eos_token_id and not p.ignore_eos:

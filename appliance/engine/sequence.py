@@ -40,6 +40,7 @@ class Sequence:
         self.last_scheduled_step = -1
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.error_field: str | None = None  # set with error when the request's own field is at fault (its grammar)
         self.text = ""                     # detokenized output so far
         self.num_text_emitted = 0          # characters of text already streamed
         # Logprobs asked for: of each output token, and of each prompt token (None for the first); filled in order
@@ -92,4 +93,5 @@ class Sequence:
             request_id=self.request_id, new_token_ids=tuple(new_token_ids), new_text=new_text,
             finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            prompt_token_ids=None if prompt_logprobs is None else tuple(self.prompt_token_ids)))
+            prompt_token_ids=None if prompt_logprobs is None else tuple(self.prompt_token_ids),
+            error_field=self.error_field))

@@ -51,16 +51,20 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(self._open_prefixes) \
-                or self.authorized(details.invocation_metadata):
-            return handler
+        if details.method.startswith(self._open_prefixes) or self.authorized(details.invocation_metadata):
+            return handler           # None for a method that does not exist: UNIMPLEMENTED, to a caller with the token
         return _deny_handler(handler, "missing or wrong bearer token (send metadata authorization: Bearer <token>)")
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _deny_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED, of the method's kind; for a method that does not exist, a streaming
+    one on raw bytes (it answers any kind of call), so that a caller without the token learns nothing of the
+    service's methods."""
     async def deny(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    if handler is None:
+        return grpc.stream_stream_rpc_method_handler(deny)
     kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     make = kind[(handler.request_streaming, handler.response_streaming)]

@@ -20,6 +20,7 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from appliance.core import bounded_json
 from appliance.core.config import ModelSpec
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -117,7 +118,7 @@ def load_chat_template(model: ModelSpec) -> ChatTemplate | None:
         return None
     config_path = root / "tokenizer_config.json"
     try:
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = bounded_json.loads(config_path.read_text()) if config_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise ChatTemplateError(f"{config_path} is not valid JSON: {exc}") from None
     special: dict[str, Any] = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}

@@ -77,7 +77,7 @@ from appliance.serve.openai_api import (
 from appliance.serve.ports import suggested_port
 from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import ReplayedStream, RequestStream, open_stream
-from appliance.serve.tool_grammar import marker_tokens, tool_call_grammar
+from appliance.serve.tool_grammar import marker_tokens, parameters_issue, tool_call_grammar
 
 
 class ServingState(Protocol):
@@ -100,8 +100,11 @@ def _sse(body: dict[str, Any]) -> str:
 
 
 def _unfinished_error(out: RequestOutput, engine_stopped: bool) -> ApiError | None:
-    """Why a finished request has no complete answer: it failed inside the engine (503 once the engine itself has
-    stopped, e.g. a rank died: retry elsewhere; else 500), or the server aborted it."""
+    """Why a finished request has no complete answer: its own field made it fail (its grammar, stopped in the
+    grammar library: 400 naming the field), it failed inside the engine (503 once the engine itself has stopped,
+    e.g. a rank died: retry elsewhere; else 500), or the server aborted it."""
+    if out.error is not None and out.error_field is not None:
+        return _request_error(RequestError(out.error_field, out.error), {})
     if out.error is not None:
         return ApiError(503 if engine_stopped else 500, f"the request failed inside the engine: {out.error}",
                         type_="server_error")
@@ -329,6 +332,11 @@ class OpenAIRoutes:
         if tool_mode in ("required", "named") and fmt.tool_calls is None:
             raise invalid("tool_choice", f"model {self.model!r} ({srv.rc.model.arch}) has no known tool-call format "
                                          f"to force; send \"auto\" or \"none\"")
+        if tool_mode in ("required", "named"):        # the call grammar reads every tool's parameters
+            for i, tool in enumerate(body.template_tools() or ()):
+                issue = parameters_issue(tool["function"].get("parameters"))
+                if issue is not None:
+                    raise invalid(f"tools[{i}].function.parameters{issue[0]}", issue[1])
         prompt, ids = await self._chat_prompt(body, renamed)
         max_tokens = body.requested_max_tokens()
         params = body.sampling_params(default_max_tokens=max(1, srv.rc.max_model_len - len(ids)))
@@ -419,17 +427,26 @@ class OpenAIRoutes:
             ids = await asyncio.get_running_loop().run_in_executor(self.server.executor, encode, body.prompt)
         else:
             _, ids = await self._chat_prompt(body.chat(), {"prompt": "messages"}, encode)
+        token_strs = None
+        if body.return_token_strs:      # one decode per id: on the executor, as the encoding
+            token_strs = await asyncio.get_running_loop().run_in_executor(
+                self.server.executor, lambda: [self._token_text(i) for i in ids])
         return {"count": len(ids), "max_model_len": self.server.rc.max_model_len, "tokens": ids,
-                "token_strs": [self._token_text(i) for i in ids] if body.return_token_strs else None}
+                "token_strs": token_strs}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        """vLLM's /detokenize: {prompt: the tokens' text}."""
+        """vLLM's /detokenize: {prompt: the tokens' text}. Checked and decoded on the executor: a million ids take
+        a second, which the event loop (health checks, every stream) must not wait for."""
         self._check_serving(body.model)
         vocab = self.server.engine.limits.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return {"prompt": self.server.engine.tokenizer.decode(body.tokens)}
+        tokenizer = self.server.engine.tokenizer
+
+        def decode() -> str:
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise invalid("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return tokenizer.decode(body.tokens)
+        return {"prompt": await asyncio.get_running_loop().run_in_executor(self.server.executor, decode)}
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
@@ -510,12 +527,19 @@ def create_app(server: ServingState, chat_format: ChatFormat | None) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(http: Request, call_next):
+        """The bearer token; and an unexpected fault in a handler answered as a JSON 500 that keeps the connection
+        (Starlette's own 500 is plain text, and uvicorn then closes the connection)."""
         if token and http.url.path not in OPEN_PATHS \
                 and not bearer_token_matches(http.headers.get("authorization"), token):
             err = ApiError(401, "missing or wrong bearer token (send the header Authorization: Bearer <token>)",
                            type_="authentication_error", code="invalid_api_key")
             return JSONResponse(err.body(), status_code=401, headers={"www-authenticate": "Bearer"})
-        return await call_next(http)
+        try:
+            return await call_next(http)
+        except Exception as exc:       # noqa: BLE001 - logged; the client gets its name
+            log.exception("unexpected error answering %s", http.url.path)
+            err = ApiError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", type_="server_error")
+            return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any, Awaitable, Callable
 
 import h11
@@ -98,6 +99,7 @@ class GuardedH11Protocol(H11Protocol):
     max_connections: int = 512
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        no_delay(transport)
         self.read_deadline: asyncio.TimerHandle | None = None
         self.waiting_since = self.loop.time()
         super().connection_made(transport)
@@ -137,6 +139,16 @@ class GuardedH11Protocol(H11Protocol):
         self.read_deadline = None
         if self.conn.their_state is h11.IDLE or self.conn.their_state is h11.SEND_BODY:
             self.transport.close()                 # the app, if it waits for the body, sees http.disconnect
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on an accepted connection. A response goes out in two writes (headers, then body); with Nagle's
+    algorithm the body waits for the ACK of the headers, which a keep-alive client delays by up to 40 ms. asyncio
+    sets it only on sockets created with IPPROTO_TCP, and socket.create_server's listening socket (proto 0) hands
+    out connections without it."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def evict_longest_waiting(connections: set, newcomer: GuardedH11Protocol) -> None:

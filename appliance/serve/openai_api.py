@@ -26,6 +26,7 @@ from typing import Annotated, Any, Callable, Literal, Sequence
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from appliance.core.constraint import ConstraintError
 from appliance.core.request import (
     FinishReason,
     RequestOutput,
@@ -165,7 +166,7 @@ class _Sampling(_Request):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             constraint = request_constraint(self.response_format, self.structured_outputs)
-        except ConstraintFieldError as exc:
+        except (ConstraintFieldError, ConstraintError) as exc:
             raise invalid(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,

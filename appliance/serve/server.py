@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import signal
 import socket
 import sys
@@ -63,6 +64,7 @@ from appliance.serve.state import EngineClient, ServerState
 from appliance.serve.streams import open_stream
 from appliance.serve.tls import load_tls_pair
 
+log = logging.getLogger("appliance.serve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Appliance"].full_name   # "appliance.v1.Appliance"
 HEALTH_SERVICES = ("", SERVICE_NAME)
 EXIT_ENGINE_FAILED = 1       # the engine stopped while serving (a rank died): a service manager restarts it
@@ -70,6 +72,7 @@ FLUSH_GRACE_S = 2.0          # after the drain: time for the last messages of fi
 SHUTDOWN_TAIL_S = 2.0        # after server.grace_period_s: abort the rest, flush, stop both front ends and the engine
 FRONT_ENDS_STOP_S = 0.8      # of the tail: stopping gRPC and HTTP (the last messages go out meanwhile)
 EXIT_RESERVE_S = 0.2         # of the tail: the process leaving (appliance.cli skips the interpreter's teardown)
+MAX_DETAILS_CHARS = 2048     # of a status message (see short)
 
 
 # -- service -------------------------------------------------------------------------------------------
@@ -105,12 +108,16 @@ class ApplianceService(pb_grpc.ApplianceServicer):
             params = sampling_params(request.sampling)
             stream = await open_stream(srv.engine, srv.executor, request_id, prompt, params, srv.open_streams)
         except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(str(exc)),
                                 trailing_metadata=(("invalid-field", exc.field),))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"wait queue full: {exc}")
         except EngineUnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}")
+        except Exception as exc:      # noqa: BLE001 - INTERNAL and why, rather than gRPC's UNKNOWN
+            log.exception("submit failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                short(f"the request could not be submitted: {type(exc).__name__}: {exc}"))
 
         finished = False
         try:
@@ -123,11 +130,14 @@ class ApplianceService(pb_grpc.ApplianceServicer):
                     finished = True
                     if out.new_token_ids or out.new_text:
                         yield generate_response(RequestOutput(out.request_id, out.new_token_ids, out.new_text))
+                    if out.error_field is not None:        # the request's own field: its grammar was refused
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short(f"{out.error_field}: {out.error}"),
+                                            trailing_metadata=(("invalid-field", out.error_field),))
                     if srv.engine.failure is not None:     # the engine stopped (a rank died)
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {out.error}; "
                                             f"the server is shutting down (retry after it restarts)")
                     await context.abort(grpc.StatusCode.INTERNAL,
-                                        f"request {request_id} failed inside the engine: {out.error}")
+                                        short(f"request {request_id} failed inside the engine: {out.error}"))
                 yield generate_response(out)
         finally:
             if not finished:      # client cancel, deadline, or server stop: free its blocks now
@@ -135,6 +145,12 @@ class ApplianceService(pb_grpc.ApplianceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return stats_response(self._server.engine.stats(), self._server.state)
+
+
+def short(details: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """Status details cut to `limit` characters: they travel in HTTP/2 headers, whose 16 KiB limit a longer message
+    breaks (the client then sees RESOURCE_EXHAUSTED "Stream removed" instead of the error)."""
+    return details if len(details) <= limit else details[:limit] + "..."
 
 
 def host_port(host: str, port: int | None) -> str:

@@ -24,7 +24,7 @@ def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
         first = out if out.prompt_logprobs is not None else nxt
         out = RequestOutput(out.request_id, out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text,
                             nxt.finish_reason, nxt.usage, nxt.error, logprobs, first.prompt_logprobs,
-                            first.prompt_token_ids)
+                            first.prompt_token_ids, nxt.error_field)
     return out
 
 

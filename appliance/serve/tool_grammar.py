@@ -94,6 +94,23 @@ class Markup:
         return [f"{name.upper()}_TEXT: {terminal}", f"{name}: {name.upper()}_TEXT {rest}".rstrip()]
 
 
+def parameters_issue(parameters: Any) -> tuple[str, str] | None:
+    """What in a function's `parameters` the call grammar cannot use, as (the key under `parameters`, why); None
+    when nothing. The grammar reads `properties` and `required` itself and writes the schema as JSON."""
+    if not isinstance(parameters, dict):
+        return None                      # none given: a call takes no arguments (parameters_of)
+    if "properties" in parameters and not isinstance(parameters["properties"], dict):
+        return ".properties", "must be an object mapping each parameter's name to its schema"
+    required = parameters.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        return ".required", "must be a list of parameter names"
+    try:
+        json.dumps(parameters)
+    except (ValueError, RecursionError) as exc:
+        return "", f"cannot be written as JSON ({type(exc).__name__}: nested too deeply)"
+    return None
+
+
 def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
     parameters = tool["function"].get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object", "properties": {}}

@@ -212,6 +212,42 @@ def test_cli_malformed_config_json_exits_2_without_traceback(tmp_path, cli, case
     assert "Traceback" not in result.stderr and message in result.stderr and "config.json" in result.stderr
 
 
+# Issue 32 item 6: text json.loads cannot take (a traceback, exit 1), and values no model can run with.
+BAD_TEXTS = {
+    "nested 100,000 deep": (json.dumps(QWEN3)[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                            "is not valid JSON: arrays and objects nested more than 64 deep"),
+    "a 5,000-digit integer": (json.dumps(QWEN3)[:-1] + ', "x": ' + "7" * 5000 + "}",
+                              "is not valid JSON: a number of 5,000 digits in a row (at most 100)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TEXTS)
+def test_config_json_beyond_the_json_bounds_is_one_message_naming_the_file(tmp_path, case):
+    text, message = BAD_TEXTS[case]
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    [issue] = info.value.issues
+    assert issue.path == "model.weights" and f"{tmp_path / 'config.json'} {message}" in issue.rule
+
+
+def test_cli_config_json_nested_too_deep_exits_2_without_traceback(tmp_path, cli):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(BAD_TEXTS["nested 100,000 deep"][0])
+    result = cli("+model=hf", f"model.weights={tmp_path / 'ckpt'}", "mode=validate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "config.json is not valid JSON: arrays and objects nested more than 64 deep" in result.stderr
+
+
+@pytest.mark.parametrize("eps", [-1, 0, 0.0])
+def test_a_non_positive_rms_norm_eps_is_refused_naming_the_key(tmp_path, eps):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3, "rms_norm_eps": eps}))
+    with pytest.raises(ConfigError) as info:
+        load_runtime_config(["+model=hf", f"model.weights={tmp_path}"])
+    [issue] = info.value.issues
+    assert (issue.path, issue.rule) == ("model.layout.rms_norm_eps", "must be a finite number > 0")
+
+
 def test_optional_keys_take_transformers_defaults(tmp_path):
     """The documented optional keys: left out, they are what transformers' Qwen3Config assumes."""
     (tmp_path / "config.json").write_text(json.dumps(without(QWEN3, "num_key_value_heads")))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.errors import CheckpointError
+from appliance.core.errors import CheckpointError, StartupError
 from appliance.core.planner import InsufficientMemoryError
 from appliance.engine.loop import Engine
 from appliance.engine.preflight import preflight
@@ -94,6 +94,18 @@ def test_a_bad_checkpoint_is_found_before_the_port_is_bound(tmp_path, busy_port)
     assert_startup_fault(rc, stdout, stderr, f"checkpoint file '{ckpt / 'model.safetensors'}'")
 
 
+def test_an_eos_token_id_outside_the_vocabulary_is_found_before_the_port_is_bound(tmp_path, busy_port):
+    """Issue 32 item 6: it was accepted, and every request then served empty text."""
+    model = load_runtime_config(["+model=qwen3_tiny"]).model
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", model, seed=0)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": 99999}))
+    rc, stdout, stderr, _ = run_measured(tmp_path, "+model=qwen3_tiny", f"model.weights={ckpt}",
+                                         f"server.port={busy_port}", "server.http_port=null")
+    assert_startup_fault(rc, stdout, stderr, f"checkpoint file '{ckpt / 'config.json'}': eos_token_id=99999 is not "
+                                             f"a token id in the vocabulary [0, 512)")
+
+
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
 def test_bench_runs_the_preflight_too_a_missing_backend_exits_2(tmp_path):
     rc, stdout, stderr, _ = run_measured(tmp_path, "mode=bench", "device=npu")
@@ -151,3 +163,23 @@ def test_misshapen_tensors_are_found_from_the_headers_before_loading(tmp_path):
         preflight(rc)
     assert "0 missing, 0 unexpected, 6 misshapen" in str(err.value)
     assert "misshapen  model.layers.0.mlp.up_proj.weight: expected shape [96, 64], found [128, 64]" in str(err.value)
+
+
+@pytest.mark.parametrize("file, change, words", [
+    ("config.json", {"bos_token_id": -5}, "config.json': bos_token_id=-5 is not a token id in the vocabulary"),
+    ("generation_config.json", {"eos_token_id": [1, 512]},
+     "generation_config.json': eos_token_id=[1, 512] is not a token id in the vocabulary [0, 512)"),
+    ("config.json", '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than 64 deep"),
+    ("config.json", '{"x": ' + "7" * 5000 + "}", "a number of 5,000 digits in a row"),
+], ids=["bos negative", "eos list past the vocabulary", "nested", "digits"])
+def test_checkpoint_configs_are_read_within_bounds_and_their_token_ids_checked(tmp_path, file, change, words):
+    """A model YAML serving a checkpoint reads its config files too: each fault is a startup error naming the file."""
+    ckpt = write_tiny_checkpoint(tmp_path, load_runtime_config(["+model=qwen3_tiny"]).model, seed=0)
+    path = ckpt / file
+    if isinstance(change, dict):
+        path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **change}))
+    else:
+        path.write_text(change)
+    with pytest.raises(StartupError) as info:
+        preflight(load_runtime_config(["+model=qwen3_tiny", f"model.weights={ckpt}"]))
+    assert words in str(info.value) and "Fix:" in str(info.value)

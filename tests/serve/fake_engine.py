@@ -204,3 +204,14 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.shutdown_called = True
         self._stop.set()
+
+
+def fail_submit(engine: FakeEngine, prompt: str, exc: Exception) -> None:
+    """From now on engine.submit raises `exc` for `prompt` (a fault inside submit that is no refusal)."""
+    submit = engine.submit
+
+    def failing(request_id, prompt_or_ids, params, on_output=None):
+        if prompt_or_ids == prompt:
+            raise exc
+        return submit(request_id, prompt_or_ids, params, on_output)
+    engine.submit = failing

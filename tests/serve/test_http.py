@@ -10,7 +10,9 @@ import json
 import socket
 import ssl
 import threading
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,7 +22,7 @@ from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.server import ApplianceServer, ServerBindError
 from tests.serve import test_server
 from tests.serve.certs import needs_openssl, self_signed_cert
-from tests.serve.fake_engine import FakeEngine, fake_token
+from tests.serve.fake_engine import FakeEngine, fail_submit, fake_token
 from tests.serve.test_server import Running, wait_for
 
 running = test_server.running       # the fake-engine server fixture, here with this module's base_rc
@@ -229,3 +231,70 @@ def test_a_request_the_server_aborts_is_a_503_not_a_200(running):
     status, body = request(http_port(srv), "/v1/completions", {"prompt": "hi", "max_tokens": 400},
                            headers={"x-request-id": "cut-short"})
     assert status == 503 and body["error"]["code"] == "request_aborted"
+
+
+def test_a_kept_alive_connection_answers_without_nagles_delay(running):
+    """Issue 32 item 5: a response goes out as two writes (headers, then body); without TCP_NODELAY the body
+    waited for the client's delayed ACK, 40 ms on every request but a connection's first. The best of five
+    round trips after the first: Nagle's delay is a floor under all five, machine load is not."""
+    conn = http.client.HTTPConnection("127.0.0.1", http_port(running()), timeout=20)
+
+    def round_trip() -> float:
+        start = time.perf_counter()
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read()
+        return time.perf_counter() - start
+    round_trip()                          # a fresh connection is not delayed (its first ACK is not)
+    assert min(round_trip() for _ in range(5)) < 0.020
+    conn.close()
+
+
+def test_detokenize_decodes_off_the_event_loop(running):
+    """Decoding a million ids takes a second: /health must answer while it runs (here: while it is held)."""
+    srv = running()
+    port = http_port(srv)
+    decoding, release, decode = threading.Event(), threading.Event(), srv.engine.tokenizer.decode
+
+    def held_decode(ids):
+        decoding.set()
+        release.wait(30)
+        return decode(ids)
+    srv.engine.tokenizer.decode = held_decode
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(request, port, "/detokenize", {"tokens": [104, 105]})
+        try:
+            assert decoding.wait(20)
+            assert request(port, "/health") == (200, {"status": "serving"})
+        finally:
+            release.set()
+        assert answer.result() == (200, {"prompt": "hi"})
+    assert request(port, "/detokenize", {"tokens": [104, 999]})[1]["error"]["param"] == "tokens"
+
+
+def test_an_unexpected_submit_failure_is_a_json_500_and_the_connection_goes_on(running):
+    """A fault inside submit that is not a refusal (e.g. a library's ValueError) was a plain-text 500 that closed
+    the kept-alive connection."""
+    srv = running()
+    conn = http.client.HTTPConnection("127.0.0.1", http_port(srv), timeout=20)
+    fail_submit(srv.engine, "fail", ValueError("can't determine decoder type: None"))
+    for prompt, status in (("fail", 500), ("hi", 200)):
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == status, body
+    assert body["choices"][0]["text"] == "".join(chr(t) for t in _fake_tokens("hi", 2))
+
+
+@pytest.mark.parametrize("parameters, param", [
+    ({"type": "object", "properties": [1, 2]}, "tools[1].function.parameters.properties"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+     "tools[1].function.parameters.required"),
+])
+def test_tool_parameters_the_call_grammar_cannot_read_are_400_naming_them(running, parameters, param):
+    """tool_choice required builds a grammar from every tool's parameters (DeepSeek V4's DSML format here)."""
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    status, body = request(http_port(running()), "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "tools": tools, "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == param, body

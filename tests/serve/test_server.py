@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 from tests.serve.certs import needs_openssl, self_signed_cert  # noqa: E402
-from tests.serve.fake_engine import FakeEngine, fake_token  # noqa: E402
+from tests.serve.fake_engine import FakeEngine, fail_submit, fake_token  # noqa: E402
 
 
 def expected_tokens(prompt: str, n: int) -> list[int]:
@@ -343,6 +343,25 @@ def test_malformed_messages_are_invalid_argument(running, method, payload):
     channel.close()
 
 
+def test_a_malformed_message_in_a_request_stream_is_invalid_argument(running):
+    """Reflection reads a stream of requests: one that does not parse ends it INVALID_ARGUMENT (it was UNKNOWN)."""
+    srv = running()
+    channel = grpc.insecure_channel(srv.address)
+    reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    err = rpc_error(lambda: list(reflect(iter([b"\xff\xff\xff\x07garbage"]), timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request message" in err.details(), err
+    channel.close()
+
+
+def test_an_unexpected_submit_failure_is_internal_not_unknown(running):
+    srv = running()
+    fail_submit(srv.engine, "fail", ValueError("can't determine decoder type: None"))
+    c = srv.client()
+    err = rpc_error(lambda: c.complete("fail", max_tokens=2))
+    assert err.code() == grpc.StatusCode.INTERNAL and "ValueError: can't determine decoder type" in err.details()
+    assert c.complete("hi", max_tokens=2)[0] == expected_tokens("hi", 2)
+
+
 def test_duplicate_request_id_in_flight_is_invalid_argument(running):
     srv = running(step_s=0.05)
     c = srv.client()
@@ -459,6 +478,15 @@ def test_bearer_token(base_rc, running):
         assert rpc_error(lambda: c.startup(timeout=10)).code() == grpc.StatusCode.UNAUTHENTICATED
     assert right.startup(timeout=10).capacity_slots == 4
     assert right.complete("hi", max_tokens=3)[0] == expected_tokens("hi", 3)
+    # A method that does not exist tells a caller without the token nothing (UNIMPLEMENTED would list the API).
+    channel = grpc.insecure_channel(srv.address)
+    unary = channel.unary_unary("/appliance.v1.Appliance/NoSuchMethod")
+    stream = channel.stream_stream("/no.such.Service/Stream")
+    for call in (lambda md: unary(b"", timeout=10, metadata=md),
+                 lambda md: list(stream(iter([b""]), timeout=10, metadata=md))):
+        assert rpc_error(lambda: call(None)).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert rpc_error(lambda: call((("authorization", "Bearer s3cret"),))).code() == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
 
 
 def test_the_token_is_never_returned_or_written(running, tmp_path, capsys):
