@@ -20,6 +20,11 @@ def non_negative(value: Any) -> str | None:
     return None if ok else "must be >= 0"
 
 
+def positive(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return None if ok else "must be > 0"
+
+
 def one_of(*allowed: str) -> Rule:
     def rule(value: Any) -> str | None:
         return None if value in allowed else f"must be one of {list(allowed)}"
