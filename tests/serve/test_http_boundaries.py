@@ -33,11 +33,14 @@ def body_of(size: int) -> bytes:
     return body[:-1] + b" " * (size - len(body)) + b"}"
 
 
-def send(port: int, body: bytes, chunked: bool) -> int:
-    """POST /v1/completions with the body declared by Content-Length or sent in chunks; the status."""
+def send(port: int, body: bytes, chunked: bool, withheld: bool = False) -> int:
+    """POST /v1/completions with the body declared by Content-Length (not sent when `withheld`: a refusal must not
+    wait for it) or sent in chunks; the status."""
     with connect(port) as sock:
         sock.sendall(completion_headers(None if chunked else len(body), chunked=chunked))
-        if chunked:
+        if withheld:
+            pass
+        elif chunked:
             for start in range(0, len(body), 1000):
                 part = body[start:start + 1000]
                 sock.sendall(b"%x\r\n%s\r\n" % (len(part), part))
@@ -52,7 +55,7 @@ def send(port: int, body: bytes, chunked: bool) -> int:
 def test_a_body_of_exactly_the_limit_is_served_and_one_byte_more_is_413(running, chunked):
     port = http_port(running())
     assert send(port, body_of(LIMIT), chunked) == 200
-    assert send(port, body_of(LIMIT + 1), chunked) == 413
+    assert send(port, body_of(LIMIT + 1), chunked, withheld=not chunked) == 413
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,14 @@ def long_context_port(tmp_path_factory):
         yield http_port(srv)
     finally:
         srv.stop()
+
+
+def test_a_declared_length_is_judged_at_its_exact_bound_before_authentication(running, base_rc):
+    """The Content-Length check runs before anything else (auth included): one byte over is 413 without a token,
+    the bound itself goes on to authentication (401)."""
+    port = http_port(running(test_server.with_server(base_rc, auth_token="secret-token")))
+    assert send(port, body_of(LIMIT + 1), chunked=False, withheld=True) == 413
+    assert send(port, body_of(LIMIT), chunked=False) == 401
 
 
 def test_exactly_the_most_chat_messages_are_served(long_context_port):
