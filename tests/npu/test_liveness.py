@@ -37,6 +37,16 @@ def beat(store, rank: int, n: int, received: int = 0, finished: int = 0, pid: in
     store.set(live_key(rank), f"{n} {received} {finished} {pid} {host or socket.gethostname()}")
 
 
+def each_second(clock: Clock, monitor: LivenessMonitor, seconds: int, beats) -> list[str]:
+    """Move the clock one second at a time, `beats(n)` writing second n's heartbeats; the check after each."""
+    checks = []
+    for n in range(seconds):
+        clock.now += 1
+        beats(n)
+        checks.append(monitor.check())
+    return checks
+
+
 @pytest.fixture
 def watched():
     store, clock = dist.HashStore(), Clock()
@@ -83,12 +93,10 @@ def test_a_step_past_its_deadline_names_the_rank_that_has_not_taken_it(watched):
     monitor.step_begins()
     beat(store, 1, 1, received=1, finished=1), beat(store, 2, 1, received=0, finished=0)
     assert monitor.check() == ""
-    for n in range(2, 13):                        # both keep beating: alive, but rank 2 never takes the step
-        clock.now += 1
-        beat(store, 1, n, received=1, finished=1), beat(store, 2, n)
-        message = monitor.check()
-        assert message == ("" if n <= 11 else "rank 2 (pid 4242) hung: it has not taken step 1 in 11 s "
-                                               "(parallel.step_timeout_s=10)"), n
+    # both keep beating, alive, but rank 2 never takes the step
+    checks = each_second(clock, monitor, 11, lambda n: (beat(store, 1, n + 2, received=1, finished=1),
+                                                        beat(store, 2, n + 2)))
+    assert checks == [""] * 10 + ["rank 2 (pid 4242) hung: it has not taken step 1 in 11 s (parallel.step_timeout_s=10)"]
 
 
 def test_a_step_past_its_deadline_names_the_silent_rank_before_its_heartbeat_runs_out(watched):
@@ -100,22 +108,18 @@ def test_a_step_past_its_deadline_names_the_silent_rank_before_its_heartbeat_run
     clock.now += 1
     beat(store, 1, 2, received=1), beat(store, 2, 2, received=1)   # rank 1's last beat
     monitor.check()
-    for n in range(3, 13):
-        clock.now += 1
-        beat(store, 2, n, received=1)
-        message = monitor.check()
-        assert message == ("" if n <= 11 else "rank 1 (pid 4242) hung: step 1 has run 11 s, past "
-                                              "parallel.step_timeout_s=10, and the rank has sent no heartbeat for 10 s"), n
+    checks = each_second(clock, monitor, 10, lambda n: beat(store, 2, n + 3, received=1))
+    assert checks == [""] * 9 + ["rank 1 (pid 4242) hung: step 1 has run 11 s, past parallel.step_timeout_s=10, and "
+                                 "the rank has sent no heartbeat for 10 s"]
 
 
 def test_a_finished_step_has_no_deadline(watched):
     store, clock, monitor = watched
     monitor.step_begins()
     monitor.step_ends()
-    for n in range(1, 30):
-        clock.now += 1
-        beat(store, 1, n, received=1, finished=1), beat(store, 2, n, received=1, finished=1)
-        assert monitor.check() == ""
+    checks = each_second(clock, monitor, 30, lambda n: (beat(store, 1, n, received=1, finished=1),
+                                                        beat(store, 2, n, received=1, finished=1)))
+    assert checks == [""] * 30
 
 
 def test_a_heartbeat_counts_steps_beats_and_leaves_on_the_owners_abort():
