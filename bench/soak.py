@@ -228,8 +228,9 @@ def main() -> int:
     ap.add_argument("--kv-slots", type=int, default=2,
                     help="kv_cache.num_slots_override (0: the planner's size; then no preemption is expected)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds before the RSS baseline (default 20%%)")
-    ap.add_argument("--rss-limit-mib", type=float, default=64.0,
-                    help="RSS may grow at most this much from the warm-up's end to the end (and 10%%)")
+    ap.add_argument("--rss-limit-mib", type=float, default=16.0,
+                    help="RSS may grow at most this much from the warm-up's end to the end (and 10%%); "
+                         "BENCHMARKS.md 'Soak' says why 16")
     ap.add_argument("overrides", nargs="*", help="extra server overrides, e.g. +model=qwen3_tiny")
     args = ap.parse_args()
     warmup = args.warmup if args.warmup is not None else 0.2 * args.seconds
