@@ -46,7 +46,8 @@ def test_a_stopped_rank_is_declared_hung_within_the_step_deadline_and_nothing_is
         # Within the deadline: the step in flight when the rank stopped had just begun. (The bound's slack is for
         # a loaded machine; without the watch the stream would wait for its 300 s deadline.)
         assert STEP_TIMEOUT_S - 1 <= declared_after <= 3 * STEP_TIMEOUT_S + 10, declared_after
-        print(f"declared hung {declared_after:.2f} s after SIGSTOP (parallel.step_timeout_s={STEP_TIMEOUT_S:g})")
+        print(f"declared hung {declared_after:.2f} s after SIGSTOP (parallel.step_timeout_s={STEP_TIMEOUT_S:g}): "
+              f"{err.details()}")
         channel.close()
         assert proc.wait(120) == 1, out.text[-3000:]
     finally:
