@@ -55,7 +55,7 @@ _spawner_lock = threading.Lock()
 
 def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Popen (stdin a pipe) from one thread that lives as long as this process. A spawned rank asks the kernel to
-    kill it when the thread that started it ends (npu.worker.exit_with_parent), so that no exit of the owner, even
+    kill it when the thread that started it ends (npu.liveness.exit_with_parent), so that no exit of the owner, even
     SIGKILL, leaves a rank behind; the engine's loop thread, which starts the ranks, ends before they stop."""
     global _spawner
     with _spawner_lock:

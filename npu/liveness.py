@@ -36,6 +36,7 @@ log = logging.getLogger("npu.liveness")
 ABORT_KEY = "abort"
 EXIT_OWNER_GONE = 1       # a spawned rank's exit status when its owner has gone (as after a failed step)
 PARENT_POLL_S = 1.0
+PR_SET_PDEATHSIG = 1      # prctl(2): the signal this process gets when the thread that started it ends
 SILENT_BEATS = 3          # at a step's deadline, a rank whose beat has not changed for this many beats is the hung one
 
 
@@ -221,8 +222,6 @@ class LivenessMonitor:
         state = STATE_WORDS.get(state_letter(int(pid)), "")
         return f" ({state})" if state else ""
 
-
-PR_SET_PDEATHSIG = 1      # prctl(2): the signal this process gets when the thread that started it ends
 
 
 def exit_with_parent(parent: int) -> None:
