@@ -67,6 +67,7 @@ T = TypeVar("T")
 # line: the error), from any engine of any process that inherits it: tests/conftest.py fails a test in which a step
 # failed unless the test expects it.
 FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"
+FAILED_DRAIN_S = 1.0     # after the engine failed: how long drain waits for the loop to fail its requests
 
 
 def started(part: T | None) -> T:
@@ -122,6 +123,7 @@ class Engine:
         self._stats = StatsRecorder()
         # Set once the device plane is lost for good (a rank died): every request fails with it, none is admitted.
         self.failure: str | None = None
+        self._failed_at = 0.0
         self.on_failure: Callable[[str], None] | None = None   # told once, first (a server: health NOT_SERVING, exit)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -197,13 +199,17 @@ class Engine:
         return exact_prefix_from(self.rc.prefix_caching_ties, architecture(model.arch).length_dependent_kv(model.layout))
 
     def drain(self, grace_s: float) -> None:
-        """Stop admitting; let in-flight requests finish for up to grace_s, then abort the rest."""
+        """Stop admitting; let in-flight requests finish for up to grace_s, then abort the rest. After a failure
+        (a rank lost) nothing finishes: the loop fails what it holds at once, or cannot (its step waits for a hung
+        rank it could not kill), so the wait is FAILED_DRAIN_S."""
         self._draining = True
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._in_flight:
                     return
+                if self.failure is not None:
+                    deadline = min(deadline, self._failed_at + FAILED_DRAIN_S)
             time.sleep(0.01)
         with self._lock:
             remaining = list(self._in_flight.values())
@@ -212,7 +218,7 @@ class Engine:
         # The inbox is in order: once the loop reaches this marker, every abort above has been streamed.
         flushed = threading.Event()
         self._inbox.put(("flush", flushed))
-        flushed.wait(5)
+        flushed.wait(FAILED_DRAIN_S if self.failure is not None else 5)
 
     def _device_lost(self, message: str) -> None:
         """The ranks can step together no more (any thread): record it, tell on_failure once (before any request
@@ -220,7 +226,7 @@ class Engine:
         with self._lock:
             if self.failure is not None:
                 return
-            self.failure = message
+            self.failure, self._failed_at = message, time.monotonic()
         log.error("the engine stops: %s", message)
         if self.on_failure is not None:
             self.on_failure(message)
