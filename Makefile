@@ -24,8 +24,9 @@ bench:
 bench-all:
 	$(PYTHON) bench/run_all.py $(BENCH_ARGS)
 
-# Soak (never part of `make test`): a real server under streaming load with cancels, bad requests and preemption
-# for SOAK_SECONDS (15 min); fails unless it ends idle with every cache group's blocks back and RSS flat.
+# Soak (never part of `make test`): a real server under mixed load (gRPC streams, cancels, bad requests; HTTP n > 1,
+# JSON output, logprobs, chat) with preemption for SOAK_SECONDS (15 min); fails unless it ends idle with every cache
+# group's blocks back and RSS flat (at most 16 MiB more than after the warm-up).
 SOAK_SECONDS ?= 900
 soak:
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PYTHON) bench/soak.py $(SOAK_ARGS)
