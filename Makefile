@@ -45,7 +45,8 @@ LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py
 SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \
 	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py
 KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_manager_props.py \
-	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py
+	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py \
+	tests/engine/test_block_pool_model.py
 PLANNER_TESTS ?= tests/core/test_planner.py tests/npu/test_launcher.py tests/core/test_planner_groups.py
 SPEC_TESTS ?= tests/core $(KV_TESTS)
 QWEN3_TESTS ?= tests/npu/test_qwen3_oracle.py tests/npu/test_fused_paths.py tests/npu/test_qwen3_paging.py
