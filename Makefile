@@ -41,8 +41,9 @@ bench:
 bench-all:
 	$(PYTHON) bench/run_all.py $(BENCH_ARGS)
 
-# Soak (never part of `make test`): a real server under streaming load with cancels, bad requests and preemption
-# for SOAK_SECONDS (15 min); fails unless it ends idle with every cache group's blocks back and RSS flat.
+# Soak (never part of `make test`): a real server under mixed load (gRPC streams, cancels, bad requests; HTTP n > 1,
+# JSON output, logprobs, chat) with preemption for SOAK_SECONDS (15 min); fails unless it ends idle with every cache
+# group's blocks back and RSS flat (at most 16 MiB more than after the warm-up).
 SOAK_SECONDS ?= 900
 soak:
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PYTHON) bench/soak.py $(SOAK_ARGS)
@@ -61,7 +62,8 @@ LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py
 SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \
 	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py
 KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_manager_props.py \
-	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py
+	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py \
+	tests/engine/test_block_pool_model.py
 PLANNER_TESTS ?= tests/core/test_planner.py tests/npu/test_launcher.py tests/core/test_planner_groups.py
 SPEC_TESTS ?= tests/core $(KV_TESTS)
 QWEN3_TESTS ?= tests/npu/test_qwen3_oracle.py tests/npu/test_fused_paths.py tests/npu/test_qwen3_paging.py

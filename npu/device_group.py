@@ -7,6 +7,12 @@ The engine talks to this object as it talks to a ModelRunner (execute, device, s
 execute_partitions for data parallel, so the scheduler never sees processes. On one host the owner spawns
 ranks 1..world-1 itself (LocalRanks) and hosts their rendezvous store; under torchrun the ranks exist already
 and meet through torchrun's environment (env://).
+
+While serving, the owner watches every rank (`DeviceGroup.watch`): a spawned rank's exit (polled), and every
+rank's heartbeat and the step in flight (npu/liveness.py: parallel.step_timeout_s). A lost rank, dead or hung,
+ends them all: the engine is told first (its requests fail naming the rank), then the abort key is posted for
+torchrun's ranks and the spawned ones are killed and reaped, which also frees the owner's step from the
+collective it waits in.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,7 +36,8 @@ from appliance.core.parallel import RankPlace, place_of, world_size
 from appliance.core.startup_report import StartupReport
 from npu.backends import Backend
 from npu.launcher import launch
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
+from npu.liveness import ABORT_KEY, LivenessMonitor, is_stopped
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, before_leaving, connect_store, host_store
 from npu.runner import ModelRunner
 from npu.step import StepBatch
 from npu.worker import STOP, run_step
@@ -39,6 +47,21 @@ log = logging.getLogger("npu.device_group")
 STOP_WAIT_S = 30.0       # how long stopped ranks may take to exit before they are terminated
 WATCH_POLL_S = 0.1       # how often the spawned ranks are checked while serving (a dead one is reaped then)
 DEATH_GRACE_S = 2.0      # after a failed step: how long a rank whose connection broke may take to be seen dead
+STOP_POLL_S = 0.1        # while stopping: how often a rank that has not exited is looked at (stopped? killed at once)
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Popen (stdin a pipe) from one thread that lives as long as this process. A spawned rank asks the kernel to
+    kill it when the thread that started it ends (npu.liveness.exit_with_parent), so that no exit of the owner, even
+    SIGKILL, leaves a rank behind; the engine's loop thread, which starts the ranks, ends before they stop."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-spawner")
+    return _spawner.submit(subprocess.Popen, argv, stdin=subprocess.PIPE, env=env).result()
 
 
 class RanksLostError(RuntimeError):
@@ -69,11 +92,11 @@ class LocalRanks:
         config = pickle.dumps(rc)
         self.procs = []
         for rank in range(1, world):
-            proc = subprocess.Popen([sys.executable, "-m", "npu.worker", str(rank), str(world), str(port),
-                                     str(os.getpid())], stdin=subprocess.PIPE, env=env)
+            proc = spawn([sys.executable, "-m", "npu.worker", str(rank), str(world), str(port), str(os.getpid())], env)
             proc.stdin.write(config)
             proc.stdin.close()
             self.procs.append(proc)
+        before_leaving(self.kill)                # whatever way the owner leaves, it reaps its ranks first
         log.info("spawned ranks 1..%d: pids %s", world - 1, self.pids)
 
     @property
@@ -116,12 +139,20 @@ class LocalRanks:
             p.wait()
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
-        """Wait for the ranks to exit (after STOP), then terminate, then kill whatever is left."""
+        """Wait for the ranks to exit (after STOP), then terminate, then kill whatever is left. A stopped process
+        (SIGSTOP: it can neither exit nor take SIGTERM) is killed at once."""
         deadline = time.monotonic() + wait_s
         for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while p.poll() is None and time.monotonic() < deadline:
+                if is_stopped(p.pid):
+                    log.warning("rank process %d is stopped; killing it", p.pid)
+                    p.kill()
+                    break
+                try:
+                    p.wait(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.poll() is None and time.monotonic() >= deadline:
                 log.warning("rank process %d did not exit; terminating it", p.pid)
                 p.terminate()
         for p in self.procs:
@@ -133,14 +164,22 @@ class LocalRanks:
 
 
 class DeviceGroup:
-    """Every rank, driven by the owner: one step on all of them per call."""
+    """Every rank, driven by the owner: one step on all of them per call.
 
-    def __init__(self, runner: ModelRunner, group: RankGroup, ranks: LocalRanks | None):
+    States: serving -> lost (a rank died or hung, or a step failed: `failure` says why, every later step raises
+    RanksLostError) -> shut down; or serving -> shut down (`stopping` set first, so ranks exiting then are no
+    failure)."""
+
+    def __init__(self, runner: ModelRunner, group: RankGroup, ranks: LocalRanks | None, step_timeout_s: float):
         self.runner = runner
         self.group = group
         self.ranks = ranks
         self.failure: str | None = None      # once a step fails the ranks are out of lockstep: every later one fails
         self.stopping = threading.Event()    # set before a deliberate stop: ranks exiting then are no failure
+        self.liveness = LivenessMonitor(group.board.store, group.world, step_timeout_s)
+        self._on_lost: Callable[[str], None] | None = None
+        self._lost = False
+        self._lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -161,15 +200,20 @@ class DeviceGroup:
             self.failure = self.ranks.died() or None
         if self.failure is not None:
             raise RanksLostError(self.failure)
+        self.liveness.step_begins()
         try:
             self.group.send(list(batches))
             return run_step(self.runner, self.group, batches)
         except Exception as exc:
             log.error("a step failed on rank 0 (%s: %s); the ranks can no longer step together",
                       type(exc).__name__, exc)
-            self.failure = self.lost_rank() or ("the ranks stopped stepping together: a step failed on rank 0 or a "
-                                                "peer rank (the server's log says why)")
+            with self._lock:                 # a rank found lost meanwhile (its kill broke this step) keeps its message
+                lost = self.failure
+            self.failure = lost or self.lost_rank() or ("the ranks stopped stepping together: a step failed on rank "
+                                                        "0 or a peer rank (the server's log says why)")
             raise RanksLostError(self.failure) from exc
+        finally:
+            self.liveness.step_ends()
 
     def lost_rank(self) -> str:
         """After a failed step: the spawned rank that died, waiting briefly (a killed peer's connection can break
@@ -182,10 +226,39 @@ class DeviceGroup:
         return message
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
-        """Call on_lost(message) once when a spawned rank dies while serving (torchrun's ranks are not this
-        process's children: their death shows as a failed step)."""
+        """Call on_lost(message) once when a rank is lost while serving: a spawned rank that exits (seen within
+        WATCH_POLL_S), a rank whose heartbeat stops or that holds a step past parallel.step_timeout_s (spawned or
+        torchrun's, npu/liveness.py). Every rank is then ended (`lose`)."""
+        self._on_lost = on_lost
         if self.ranks is not None:
-            self.ranks.watch(on_lost, self.stopping)
+            self.ranks.watch(self.lose, self.stopping)
+        threading.Thread(target=self._watch_liveness, name="rank-liveness", daemon=True).start()
+
+    def _watch_liveness(self) -> None:
+        while not self.stopping.wait(self.liveness.interval_s):
+            message = self.liveness.check()
+            if message:
+                self.lose(message)
+                return
+
+    def lose(self, message: str) -> None:
+        """A rank is lost (any thread; once, and never after a deliberate stop began): tell the engine first, so
+        that its requests fail naming the rank, then end every rank: the abort key for torchrun's ranks, SIGKILL
+        and reaping for the spawned ones (their connections close, which ends the owner's step in flight)."""
+        with self._lock:
+            if self._lost or self.stopping.is_set():
+                return
+            self._lost = True
+            self.failure = self.failure or message
+        log.error("the ranks are lost: %s", message)
+        if self._on_lost is not None:
+            self._on_lost(message)
+        try:
+            self.group.board.store.set(ABORT_KEY, message)
+        except (RuntimeError, ValueError) as exc:     # the store's host (torchrun's agent) is gone
+            log.warning("could not post the abort for the ranks: %s", exc)
+        if self.ranks is not None:
+            self.ranks.kill()
 
     def shutdown(self) -> None:
         """Stop every rank (they free their pools and exit), then free this rank's. After a failure the ranks
@@ -230,4 +303,4 @@ def start_ranks(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> tup
         if group is not None:
             group.close()
         raise
-    return DeviceGroup(runner, group, ranks), report
+    return DeviceGroup(runner, group, ranks, rc.parallel.step_timeout_s), report

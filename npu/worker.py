@@ -6,20 +6,19 @@ data-parallel rank each step (it runs its own data rank's, possibly empty: exper
 lockstep), until the owner says stop. `run_step` is the one step both sides run.
 
 A worker's process is spawned by the owner on one host (`python -m npu.worker`, spawned_rank) or started by torchrun (the CLI calls
-`run_rank` for RANK != 0). Exit status: 0 after the owner's stop, 2 after a startup failure (this rank's or
-another's, named), 1 when a step fails while serving (the owner's next collective then fails too).
+`run_rank` for RANK != 0). While serving it beats (npu/liveness.py), so that the owner finds it hung when it stops
+stepping. Exit status: 0 after the owner's stop, 2 after a startup failure (this rank's or another's, named), 1
+when a step fails while serving (the owner's next collective then fails too), when the owner gives up on the
+ranks (a peer hung), or when the owner is gone.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
 import sys
-import threading
-import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,6 +26,7 @@ from appliance.core.config import RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of, world_size
 from npu.launcher import launch, prepare_rank
+from npu.liveness import Heartbeat, beat_interval, exit_with_parent
 from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, leave_process
 from npu.runner import ModelRunner
 from npu.step import StepBatch, draft_rows, logits_offsets
@@ -36,7 +36,6 @@ log = logging.getLogger("npu.worker")
 STOP = "stop"            # the owner's last message
 EXIT_STARTUP = 2
 EXIT_STEP_FAILED = 1
-PARENT_POLL_S = 1.0
 
 
 def run_step(runner: ModelRunner, group: RankGroup, batches: Sequence[StepBatch]) -> torch.Tensor | None:
@@ -51,13 +50,24 @@ def run_step(runner: ModelRunner, group: RankGroup, batches: Sequence[StepBatch]
     return group.gather_rows(logits, counts)
 
 
-def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
-    """Execute the owner's steps until it sends STOP."""
+def serve_steps(runner: ModelRunner, group: RankGroup, heartbeat: Heartbeat) -> None:
+    """Execute the owner's steps until it sends STOP, counting them in the heartbeat."""
     while True:
         message = group.receive()
         if message == STOP:
             return
+        heartbeat.step_received()
         run_step(runner, group, message)
+        heartbeat.step_finished()
+
+
+def abandon(rank: int) -> Callable[[str], None]:
+    """What a rank's heartbeat does when the owner gives up on the ranks or is gone: leave at once, exit 1 (its
+    main thread may be blocked in a collective with a hung peer, which no timeout ends while serving)."""
+    def leave(reason: str) -> None:
+        log.error("rank %d exits: %s", rank, reason)
+        leave_process(EXIT_STEP_FAILED)
+    return leave
 
 
 def run_rank(rc: RuntimeConfig, rdv: Rendezvous) -> int:
@@ -76,25 +86,18 @@ def run_rank(rc: RuntimeConfig, rdv: Rendezvous) -> int:
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_STARTUP
+    heartbeat = Heartbeat(board.store, rdv.rank, beat_interval(rc.parallel.step_timeout_s), abandon(rdv.rank))
+    heartbeat.start()
     try:
-        serve_steps(runner, group)
+        serve_steps(runner, group, heartbeat)
     except Exception:      # the others are out of lockstep now: leave without a goodbye collective
         log.exception("rank %d: a step failed; this rank stops", rdv.rank)
+        heartbeat.stop(EXIT_STEP_FAILED)
         return EXIT_STEP_FAILED
+    heartbeat.stop(0)
     runner.shutdown()
     group.close()
     return 0
-
-
-def exit_with_parent(parent: int) -> None:
-    """End this process when the owner that spawned it is gone (killed before it could stop its ranks)."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        log.error("the owner (pid %d) is gone; this rank exits", parent)
-        os._exit(EXIT_STEP_FAILED)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def spawned_rank(argv: list[str]) -> int:

@@ -2,6 +2,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,52 @@ if shutil.which("nvidia-smi") is None:
 settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+# Every engine step that raises is retried one request at a time, which keeps serving and so can hide a broken
+# batch behind right tokens. Engines of this process and of the servers and ranks it starts (they inherit the
+# variable) append each failed step to one file (appliance.engine.loop.FAILED_STEPS_FILE, named here so that
+# collecting torch-free tests does not import the engine); a test during which a line was added fails, unless it
+# makes steps fail on purpose (@pytest.mark.expects_failed_steps).
+FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"
+_failed_steps_read = [0]                 # bytes of the file already attributed to a test
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "expects_failed_steps: the test makes engine steps fail on purpose "
+                                       "(no failure if one does; tests/conftest.py)")
+    fd, path = tempfile.mkstemp(prefix="appliance-failed-steps-", suffix=".log")
+    os.close(fd)
+    os.environ[FAILED_STEPS_FILE] = path
+
+
+def pytest_unconfigure(config):
+    path = os.environ.pop(FAILED_STEPS_FILE, None)
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+def failed_steps_since_last_look() -> list[str]:
+    """Lines the engines appended since the last look (from any test, fixture or process)."""
+    path = os.environ.get(FAILED_STEPS_FILE)
+    if not path or not Path(path).exists():
+        return []
+    with open(path, "rb") as log:
+        log.seek(_failed_steps_read[0])
+        new = log.read()
+    _failed_steps_read[0] += len(new)
+    return new.decode("utf-8", "replace").splitlines()
+
+
+@pytest.fixture(autouse=True)
+def no_engine_step_failed(request):
+    """Fail a test (at its teardown) during which an engine step failed, unless it expects that."""
+    yield
+    failed = failed_steps_since_last_look()
+    if failed and request.node.get_closest_marker("expects_failed_steps") is None:
+        pytest.fail(f"{len(failed)} engine step(s) failed during this test and were retried one request at a time "
+                    f"(which can hide a broken batch behind right tokens), e.g. {failed[:3]}. A test that makes steps "
+                    f"fail on purpose is marked @pytest.mark.expects_failed_steps.", pytrace=False)
 
 
 def run_cli(*args: str, module: str = "appliance", timeout: float = 120, cwd: Path | None = None,

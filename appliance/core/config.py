@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
-from appliance.core.rules import Rule, draft_tokens, positive_int, positive_number
+from appliance.core.prefix_reuse import CHOICES as PREFIX_CACHING_TIES
+from appliance.core.rules import Rule, draft_tokens, one_of, positive_int, positive_number
 
 DERIVED = "derived"
 DECLARED_AS = "declared_as"
@@ -131,6 +132,9 @@ class ParallelSettings:
     data_parallel_size: int | None = None      # null: device.count / tensor_parallel_size
     expert_parallel_size: int | None = None    # null: gcd(world size, num_experts) for an arch with experts, else 1
     startup_timeout_s: float                   # the rendezvous and every startup collective wait at most this
+    # While serving: a step still running this long, or a rank whose heartbeat has not changed for this long, is
+    # declared hung (every rank is killed, the server exits 1: npu/liveness.py). Generous: a real step takes seconds.
+    step_timeout_s: float = setting(300.0, rule=positive_number)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +255,9 @@ class RuntimeConfig:
     max_num_batched_tokens: int = setting(rule=positive_int)
     max_waiting_requests: int = setting(rule=positive_int)
     enable_prefix_caching: bool = True
+    # DeepSeek V4: may a prefix hit past the indexer's first top-k choice come from a prompt of another length
+    # (whose tied indexer scores broke otherwise)? exact | reuse | auto (core/prefix_reuse.py)
+    prefix_caching_ties: str = setting("auto", rule=one_of(*PREFIX_CACHING_TIES))
     seed: int = 0
     device: DeviceSettings
     parallel: ParallelSettings

@@ -10,6 +10,9 @@
   L inside block j is cached under (H_j, index of the page within the block). Pages are registered only
   once their whole block is computed (commit). A hit of h tokens must be valid in every group: full
   groups need all pages of [0, h), ring groups only spec.live_logical_pages(h).
+- Length-keyed blocks (length_keyed_from, appliance/core/prefix_reuse.py): the first block reaching that
+  position is hashed with the request's prompt length, so a hit past it comes only from a prompt of the same
+  length (DeepSeek V4's tied indexer scores break by it); the blocks before it are shared by any prompt.
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ class _Seq:
         self.tokens_covered = 0     # tokens the assigned pages reach in every group (decode fast path)
         self.num_cached = 0         # prefix-hit tokens
         self.num_registered_blocks = 0
+        self.prompt_len = 0         # its prompt's length (the key of length-keyed blocks)
 
 
 class KvCacheManager:
     def __init__(self, specs: Sequence[CacheGroupSpec], block_size: int, *, enable_prefix_caching: bool = True,
-                 num_partitions: int = 1):
+                 num_partitions: int = 1, length_keyed_from: int | None = None):
         self.specs = tuple(specs)
         if not self.specs:
             raise ValueError("KvCacheManager needs at least one cache group spec")
@@ -76,8 +80,12 @@ class KvCacheManager:
                                  f"block_size {block_size} (prefix-cache keys are pages within a block)")
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be at least 1, got {num_partitions}")
+        if length_keyed_from is not None and length_keyed_from < 0:
+            raise ValueError(f"length_keyed_from must be a position >= 0, got {length_keyed_from}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The first block keyed by the prompt's length too: the one holding position length_keyed_from.
+        self.length_keyed_block = None if length_keyed_from is None else length_keyed_from // block_size
         self.num_partitions = num_partitions
         self.prefix_stats = PrefixCacheStats()
         self._pools: list[dict[str, BlockPool]] = []
@@ -122,37 +130,39 @@ class KvCacheManager:
         return dict(num_blocks)
 
     # -- requests ----------------------------------------------------------------------------------
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: Sequence[int], prompt_len: int | None = None) -> int:
         """Place a new request on a partition and share the longest cached prefix valid in every group.
 
         Returns the number of cached tokens h (a multiple of block_size, at most len - 1: the last prompt
-        token is always recomputed). The request holds the hit pages (refcount + 1) until free().
+        token is always recomputed). The request holds the hit pages (refcount + 1) until free(). prompt_len:
+        the request's prompt length when token_ids holds output too (a preempted request); default all of them.
         """
         self._require_init()
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds pages; match_prefix is for new requests")
-        seq = self._add_seq(request_id)
+        seq = self._add_seq(request_id, len(token_ids) if prompt_len is None else prompt_len)
         seq.tokens = list(token_ids)
         self.prefix_stats.queries += 1
         self.prefix_stats.query_tokens += len(seq.tokens)
         if not self.enable_prefix_caching or len(seq.tokens) < 2:
             return 0
-        extend_block_hashes(seq.hashes, seq.tokens, self.block_size, (len(seq.tokens) - 1) // self.block_size)
+        self._extend_hashes(seq, (len(seq.tokens) - 1) // self.block_size)
         blocks = self._longest_hit(seq)
         if blocks:
             self._share_hit(seq, blocks)
         self.prefix_stats.hit_tokens += seq.num_cached
         return seq.num_cached
 
-    def place(self, request_id: str) -> int:
-        """Place a new request on the least loaded partition without a prefix lookup; returns the partition."""
+    def place(self, request_id: str, prompt_len: int = 0) -> int:
+        """Place a new request (its prompt prompt_len tokens long) on the least loaded partition without a prefix
+        lookup; returns the partition."""
         self._require_init()
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds pages; place is for new requests")
-        return self._add_seq(request_id).partition
+        return self._add_seq(request_id, prompt_len).partition
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
-                 num_lookahead: int = 0) -> dict[str, list[int]]:
+                 num_lookahead: int = 0, prompt_len: int | None = None) -> dict[str, list[int]]:
         """Reserve, in every group at once, the pages for computing the next num_new_tokens tokens.
 
         token_ids is the request's whole sequence so far (prompt + output); the tokens computed next are
@@ -160,13 +170,17 @@ class KvCacheManager:
         and commit (so commit each step before allocating the next). Returns the pages newly assigned per
         group (also queued for take_new_pages). Raises KvCapacityError, with nothing allocated, when any
         group lacks pages; a request created by this call is then forgotten again. num_lookahead: pages for that
-        many further positions too, whose tokens are not known yet (speculative decoding's drafts).
+        many further positions too, whose tokens are not known yet (speculative decoding's drafts). prompt_len:
+        as for match_prefix, read when this call creates the request.
         """
         self._require_init()
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         created = request_id not in self._seqs
-        seq = self._seqs[request_id] if not created else self._add_seq(request_id)
+        if created:
+            seq = self._add_seq(request_id, len(token_ids) if prompt_len is None else prompt_len)
+        else:
+            seq = self._seqs[request_id]
         if len(token_ids) < len(seq.tokens):      # (never for a created request: it has no tokens yet)
             raise ValueError(f"request {request_id!r}: token_ids shrank from {len(seq.tokens)} to {len(token_ids)}")
         target = seq.num_computed + num_new_tokens
@@ -210,7 +224,7 @@ class KvCacheManager:
         seq.num_computed = num_computed_tokens
         full_blocks = num_computed_tokens // self.block_size
         if self.enable_prefix_caching and full_blocks > seq.num_registered_blocks:
-            extend_block_hashes(seq.hashes, seq.tokens, self.block_size, full_blocks)
+            self._extend_hashes(seq, full_blocks)
             for table in seq.tables.values():
                 table.register_blocks(seq.hashes, seq.num_registered_blocks, full_blocks)
             seq.num_registered_blocks = full_blocks
@@ -255,6 +269,10 @@ class KvCacheManager:
         return sum(pools[self._group_name(group)].num_pages for pools in self._partitions(partition))
 
     # -- internals ---------------------------------------------------------------------------------
+    def _extend_hashes(self, seq: _Seq, num_blocks: int) -> None:
+        keyed = None if self.length_keyed_block is None else (self.length_keyed_block, seq.prompt_len)
+        extend_block_hashes(seq.hashes, seq.tokens, self.block_size, num_blocks, keyed)
+
     def _demand(self, seq: _Seq, target: int) -> dict[str, tuple[range, int]]:
         """Per group: logical pages to assign so that tokens [0, target) can be computed, and pages available
         (free in the pool plus those the request's own reused ring slots give back)."""
@@ -307,8 +325,9 @@ class KvCacheManager:
         return _Seq(request_id, partition, {s.name: new_page_table(s, pools[s.name], self.block_size)
                                             for s in self.specs})
 
-    def _add_seq(self, request_id: str) -> _Seq:
+    def _add_seq(self, request_id: str, prompt_len: int) -> _Seq:
         seq = self._seqs[request_id] = self._new_seq(request_id)
+        seq.prompt_len = prompt_len
         self._num_seqs[seq.partition] += 1
         return seq
 

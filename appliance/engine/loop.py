@@ -8,7 +8,9 @@ device plane (see Engine.start), so every device op of a one-process deployment 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -17,9 +19,11 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from appliance.core.archs import architecture
 from appliance.core.config import RuntimeConfig
 from appliance.core.constraint import library_reason
 from appliance.core.parallel import world_size
+from appliance.core.prefix_reuse import exact_prefix_from
 from appliance.core.request import (
     EngineUnavailableError,
     FinishReason,
@@ -58,6 +62,13 @@ from npu.step import SeqStep, StepBatch, StepExecutor
 
 log = logging.getLogger("appliance.engine.loop")
 T = TypeVar("T")
+
+# A failed step is retried one request at a time: serving goes on, but a broken batch can hide behind right
+# tokens. Each one is counted (Stats, /metrics) and, when this variable names a file, also appended to it (one
+# line: the error), from any engine of any process that inherits it: tests/conftest.py fails a test in which a step
+# failed unless the test expects it.
+FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"
+FAILED_DRAIN_S = 1.0     # after the engine failed: how long drain waits for the loop to fail its requests
 
 
 def started(part: T | None) -> T:
@@ -113,6 +124,7 @@ class Engine:
         self._stats = StatsRecorder()
         # Set once the device plane is lost for good (a rank died): every request fails with it, none is admitted.
         self.failure: str | None = None
+        self._failed_at = 0.0
         self.on_failure: Callable[[str], None] | None = None   # told once, first (a server: health NOT_SERVING, exit)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -162,10 +174,14 @@ class Engine:
                 runner, report = start_ranks(self.rc, checked.backend, checked.runner)
             else:
                 runner, report = launch(self.rc, checked.backend, checked.runner)
+            keyed_from, note = self._prefix_reuse()
             manager = KvCacheManager(self.rc.model.cache_groups, self.rc.block_size,
                                      enable_prefix_caching=self.rc.enable_prefix_caching,
-                                     num_partitions=self.rc.parallel.data_parallel_size or 1)
+                                     num_partitions=self.rc.parallel.data_parallel_size or 1,
+                                     length_keyed_from=keyed_from)
             manager.initialize(report.plan.num_blocks)
+            if note is not None:
+                report = dataclasses.replace(report, notes=(*report.notes, note))
             self._runner, self.kv_cache_manager = runner, manager
             runner.watch(self._device_lost)            # spawned ranks: a dead one is noticed while idle too
             self._sampler = Sampler(runner.device, self.rc.seed)
@@ -176,14 +192,25 @@ class Engine:
         launched.set_result(report)
         self._loop()
 
+    def _prefix_reuse(self) -> tuple[int | None, str | None]:
+        """Where prefix hits need a prompt of the same length (prefix_caching_ties), and the startup note."""
+        if not self.rc.enable_prefix_caching:
+            return None, None
+        model = self.rc.model
+        return exact_prefix_from(self.rc.prefix_caching_ties, architecture(model.arch).length_dependent_kv(model.layout))
+
     def drain(self, grace_s: float) -> None:
-        """Stop admitting; let in-flight requests finish for up to grace_s, then abort the rest."""
+        """Stop admitting; let in-flight requests finish for up to grace_s, then abort the rest. After a failure
+        (a rank lost) nothing finishes: the loop fails what it holds at once, or cannot (its step waits for a hung
+        rank it could not kill), so the wait is FAILED_DRAIN_S."""
         self._draining = True
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._in_flight:
                     return
+                if self.failure is not None:
+                    deadline = min(deadline, self._failed_at + FAILED_DRAIN_S)
             time.sleep(0.01)
         with self._lock:
             remaining = list(self._in_flight.values())
@@ -192,7 +219,7 @@ class Engine:
         # The inbox is in order: once the loop reaches this marker, every abort above has been streamed.
         flushed = threading.Event()
         self._inbox.put(("flush", flushed))
-        flushed.wait(5)
+        flushed.wait(FAILED_DRAIN_S if self.failure is not None else 5)
 
     def _device_lost(self, message: str) -> None:
         """The ranks can step together no more (any thread): record it, tell on_failure once (before any request
@@ -200,7 +227,7 @@ class Engine:
         with self._lock:
             if self.failure is not None:
                 return
-            self.failure = message
+            self.failure, self._failed_at = message, time.monotonic()
         log.error("the engine stops: %s", message)
         if self.on_failure is not None:
             self.on_failure(message)
@@ -347,8 +374,9 @@ class Engine:
         except RanksLostError as exc:         # no retry can run: the loop fails every request and ends
             self._device_lost(str(exc))
             return []
-        except Exception:
+        except Exception as exc:
             log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
+            self._step_failed(exc)
         finished: list[Sequence] = []
         for item in scheduled:
             try:
@@ -358,10 +386,19 @@ class Engine:
                 self._device_lost(str(exc))
                 return finished
             except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+                self._step_failed(exc)
                 item.seq.error = f"{type(exc).__name__}: {exc}"
                 self._finish(item.seq, FinishReason.ABORTED)
                 finished.append(item.seq)
         return finished
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Count a step that raised (FAILED_STEPS_FILE)."""
+        self._stats.record_failed_step()
+        path = os.environ.get(FAILED_STEPS_FILE)
+        if path:
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500] + "\n")
 
     def _execute(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
         """One step. Several data-parallel ranks (KV partitions) each get the batch of their own sequences; the

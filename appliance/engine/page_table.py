@@ -86,7 +86,10 @@ class PageTable(ABC):
 
     # -- prefix cache ------------------------------------------------------------------------------
     def cache_key(self, hashes: Sequence[bytes], logical: int) -> Hashable:
-        """(H_j, index of the page within block j) for the block j holding `logical`."""
+        """(H_j, index of the page within block j) for the block j holding `logical`; H_j alone when a block is one
+        page (no tuple per cached page: H_j is the request's own hash object, shared by every such group)."""
+        if self.pages_per_block == 1:
+            return hashes[logical]
         return hashes[logical // self.pages_per_block], logical % self.pages_per_block
 
     def register_blocks(self, hashes: Sequence[bytes], first_block: int, end_block: int) -> None:

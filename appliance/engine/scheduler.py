@@ -89,7 +89,7 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_new_tokens: int, num_draft: int = 0) -> bool:
         """Pages for the next tokens (and drafts) in every group at once, or nothing."""
         try:
-            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens, num_draft)
+            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens, num_draft, seq.num_prompt_tokens)
             return True
         except KvCapacityError:
             return False
@@ -152,11 +152,11 @@ class Scheduler:
             seq = self.waiting[0]
             # A request that asked for prompt logprobs computes every prompt position (a cache hit would skip them).
             if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
-                cached = self.kv.match_prefix(seq.request_id, seq.token_ids)   # places it on a partition too
+                cached = self.kv.match_prefix(seq.request_id, seq.token_ids, seq.num_prompt_tokens)   # places it too
             else:
                 cached = 0
                 if parts > 1:
-                    self.kv.place(seq.request_id)
+                    self.kv.place(seq.request_id, seq.num_prompt_tokens)
             p = where(seq.request_id)
             n = self._chunk(cached, seq.num_tokens - cached, self._logits_rows_cap(seq, budget[p]))
             if running[p] >= self.limits.max_seqs or n == 0 or (n == 1 and decode_rows[p] == 0):

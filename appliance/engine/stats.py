@@ -78,6 +78,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    failed_steps: int = 0                   # engine steps that raised (each retried one request at a time)
     prompt_tokens: int = 0                  # prompt tokens of requests that produced their first token
     generation_tokens: int = 0              # sampled tokens
     prefix_cache_queries: int = 0           # prompt tokens looked up in the prefix cache
@@ -116,6 +117,7 @@ class StatsRecorder:
         self._spec_proposed: list[int] = []          # by draft position
         self._spec_accepted: list[int] = []
         self._spec_rows = 0
+        self._failed_steps = 0
 
     def publish(self, *, num_running: int, num_waiting: int, num_preemptions: int, prefix_cache_queries: int,
                 prefix_cache_hits: int, groups: Iterable[GroupUsage]) -> None:
@@ -149,6 +151,10 @@ class StatsRecorder:
                     self._spec_proposed[k] += 1
                     self._spec_accepted[k] += k < num_accepted
 
+    def record_failed_step(self) -> None:
+        with self._lock:
+            self._failed_steps += 1
+
     def record_finished(self, reason: str, e2e_latency_s: float) -> None:
         with self._lock:
             self._finished[reason] = self._finished.get(reason, 0) + 1
@@ -159,7 +165,7 @@ class StatsRecorder:
             g = self._gauges
             return EngineStats(
                 num_running=g.num_running, num_waiting=g.num_waiting, num_preemptions=g.num_preemptions,
-                prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+                failed_steps=self._failed_steps, prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
                 prefix_cache_queries=g.prefix_cache_queries, prefix_cache_hits=g.prefix_cache_hits,
                 finished=dict(self._finished), groups=g.groups, time_to_first_token=self._ttft.snapshot(),
                 time_per_output_token=self._tpot.snapshot(), e2e_request_latency=self._e2e.snapshot(),

@@ -51,6 +51,8 @@ class EngineCollector(Collector):
         yield gauge("num_requests_running", "Requests holding KV-cache blocks (prefilling or decoding).", s.num_running)
         yield gauge("num_requests_waiting", "Requests queued or preempted, waiting for blocks.", s.num_waiting)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later).", s.num_preemptions)
+        yield counter("engine_failed_steps", "Engine steps that raised (each retried one request at a time).",
+                      s.failed_steps)
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a first token.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)

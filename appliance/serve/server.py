@@ -464,9 +464,9 @@ class ApplianceServer:
         self.state = ServerState.FAILED if self.failure is not None else ServerState.DRAINING
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         drained = await self._within(deadline - FRONT_ENDS_STOP_S, self.engine.drain, grace)
-        if not drained:                          # the engine could not finish the streams in time: end them here
-            for stream in list(self.open_streams):
-                stream.end_aborted()
+        if not drained or self.failure is not None:   # streams the engine could not end (in time): ended here,
+            for stream in list(self.open_streams):    # with why the engine stopped if it did
+                stream.end_aborted(self.failure)
             await asyncio.sleep(0)               # let their handlers send the finish
         budget = max(deadline - self._loop.time() - 0.1, 0.0) / 2   # half to the front ends, half to the engine
         await asyncio.gather(self._stop_http(budget), self.grpc.stop(budget))

@@ -58,11 +58,12 @@ class RequestStream:
         seq = getattr(self.handle, "seq", None)
         return len(seq.prompt_token_ids) if seq is not None else 0
 
-    def end_aborted(self) -> None:
+    def end_aborted(self, error: str | None = None) -> None:
         """Finish the stream here, ABORTED with what it delivered, when the engine cannot in time (a step that
-        outlasts the shutdown's bound): the client gets a finish reason rather than a cut connection."""
+        outlasts the shutdown's bound, or the engine stopped for good: `error`, e.g. a rank hung, which its front
+        end reports as the engine's failure): the client gets a finish reason rather than a cut connection."""
         self._queue.put_nowait(RequestOutput(self.request_id, (), "", FinishReason.ABORTED,
-                                             Usage(self.prompt_tokens, self.completion_tokens, 0)))
+                                             Usage(self.prompt_tokens, self.completion_tokens, 0), error=error))
         self._registry.discard(self)
 
 

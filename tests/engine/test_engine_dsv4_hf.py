@@ -139,3 +139,36 @@ def test_fp8_linears_and_fp4_experts_serve_the_tokens_transformers_gives_their_d
                             dequantize_state(load_file(str(quantized / "model.safetensors")), model))
     work = prompts((5, 60, 300), seed=4)
     assert served(quantized, work) == transformers_greedy(dense, work)
+
+
+def one_at_a_time(directory: Path, work: list[list[int]], *extra: str) -> tuple[list[tuple[list[int], int]], str]:
+    """Each prompt served after the one before has finished (so it may hit the pages that one cached): its
+    greedy tokens and its cached prompt tokens; and the startup note on prefix caching."""
+    with Appliance.from_config(["+model=hf", f"model.weights={directory}", *ONE_THREAD, *extra]) as app:
+        results = [app.generate([p], SamplingParams(max_tokens=NEW, ignore_eos=True))[0] for p in work]
+        note = next(n for n in app.report.notes if n.startswith("prefix caching:"))
+    return [(r.token_ids, r.usage.cached_prompt_tokens) for r in results], note
+
+
+def test_prefix_hits_across_prompt_lengths_keep_transformers_tokens_when_indexer_scores_tie(tmp_path):
+    """Prompts sharing a 100-token prefix, all indexer scores tied (2 heads, queries zeroed): transformers breaks
+    each tie by the prompt's length. By default (auto: 2 heads, exact) a later prompt of another length reuses
+    only the pages before the indexer's first choice (position 19: block 0) and the repeated prompt all of
+    them, and every prompt gets transformers' tokens; with prefix_caching_ties=reuse the hits across lengths
+    change some prompt's tokens, which is why exact is the default there."""
+    args, blocks_of_16 = CONFIGS["c16_yarn_no_hash_chunked"]
+    directory = write_checkpoint(tmp_path / "ties", args, seed=3)
+    state = load_file(str(directory / "model.safetensors"))
+    save_file({k: torch.zeros_like(v) if k.endswith("attn.indexer.wq_b.weight") else v for k, v in state.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    prefix = prompts((100,), seed=21)[0]
+    work = [prefix + tail for tail in prompts((30, 41, 55), seed=22)]
+    work.append(work[0])
+    expected = transformers_greedy(directory, work)
+    exact, note = one_at_a_time(directory, work, *blocks_of_16)
+    assert "past position 19, hits only between prompts of the same length" in note
+    assert [tokens for tokens, _ in exact] == expected
+    assert [cached for _, cached in exact] == [0, 16, 16, 128]
+    reused, _ = one_at_a_time(directory, work, *blocks_of_16, "prefix_caching_ties=reuse")
+    assert [cached for _, cached in reused] == [0, 96, 96, 128]
+    assert [tokens for tokens, _ in reused] != expected

@@ -28,6 +28,7 @@ def finish(handle) -> list:
     return deltas
 
 
+@pytest.mark.expects_failed_steps
 def test_pages_announced_to_a_failed_step_reach_the_next_step_that_runs():
     rc = load_runtime_config(["+model=dsv4_tiny", "device=cpu", "max_model_len=128", "kv_cache.num_slots_override=6"])
     runner = hooked_runner(rc.model)
@@ -79,6 +80,7 @@ class FailNth(dict):
         return 0 if self.seen.index(request_id) == self.n else default
 
 
+@pytest.mark.expects_failed_steps
 def test_offline_generate_names_a_failed_request_after_every_request_finished():
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=128"])
     runner = hooked_runner(rc.model)

@@ -80,10 +80,20 @@ def speculative(k: int) -> list[str]:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_speculation_gives_the_tokens_of_one_token_decoding(k, scripted_drafter):
+def test_greedy_speculation_gives_the_tokens_of_one_token_decoding(k, scripted_drafter, monkeypatch):
     batch = prompts(6, 1, 70, seed=k)
     expected = reference(batch)
     scripted_drafter(batch, expected)
+    rows: dict[str, list[tuple[int, int, int]]] = {}        # request -> (start_pos, tokens, drafts) per step
+    execute = DeepseekV4Runner.execute
+
+    def recording(self, step_batch):
+        if not step_batch.worst_case:
+            for s in step_batch.seqs:
+                rows.setdefault(s.request_id, []).append((s.start_pos, len(s.token_ids), s.num_draft))
+        return execute(self, step_batch)
+
+    monkeypatch.setattr(DeepseekV4Runner, "execute", recording)
     with Appliance.from_config(BASE + speculative(k)) as app:
         results = app.generate(batch, GREEDY)
         stats = app.engine.stats()
@@ -92,6 +102,15 @@ def test_greedy_speculation_gives_the_tokens_of_one_token_decoding(k, scripted_d
     assert len(stats.spec_accepted_by_position) == k
     assert all(0 < a < p for a, p in zip(stats.spec_accepted_by_position, stats.spec_proposed_by_position))
     assert stats.generation_tokens == sum(len(t) for t in expected)
+    # Accepted drafts are committed by their verify step: the row's next step is one decode token right after
+    # them (recomputing them would make it a longer chunk starting earlier).
+    skipped = []
+    for steps in rows.values():
+        for (start, _, drafts), (next_start, next_tokens, _) in zip(steps, steps[1:]):
+            if drafts:
+                assert next_tokens == 1 and 1 <= next_start - start <= 1 + drafts, (start, drafts, next_start)
+                skipped.append(next_start - start - 1)
+    assert 0 < sum(skipped) <= stats.spec_accepted
 
 
 def test_greedy_speculation_with_preemption_and_prefix_hits(scripted_drafter):

@@ -296,6 +296,32 @@ def test_every_token_of_a_block_is_in_its_hash(position):
     assert first[0] == second[0] and first[1] != second[1]
 
 
+def test_length_keyed_blocks_hit_only_prompts_of_the_same_length():
+    """length_keyed_from=40 (block 2 holds it): blocks 0-1 are shared by any prompt that starts alike, block 2 on
+    only by a prompt of the same length; a preempted request, recomputing prompt + output, finds its own."""
+    m = qwen3_tiny(length_keyed_from=40)
+    prompt = list(range(100, 170))                   # 70 tokens: blocks 0-3 complete
+    run_prompt(m, "a", prompt)
+    assert m.match_prefix("longer", prompt + [5]) == 32
+    assert m.match_prefix("again", prompt) == 64
+    output = list(range(900, 920))
+    m.allocate("a", prompt + output, 20)             # a's 20 output tokens computed, then a is preempted
+    m.commit("a", 90)
+    m.free("a")
+    assert m.match_prefix("a-again", prompt + output, prompt_len=70) == 80
+    assert m.match_prefix("as-a-prompt", prompt + output) == 32     # the same tokens, all of them a prompt
+    plain = qwen3_tiny()
+    run_prompt(plain, "a", prompt)
+    assert plain.match_prefix("longer", prompt + [5]) == 64
+
+
+def test_the_first_length_keyed_block_is_the_one_holding_the_position():
+    for keyed_from, shared in ((15, 0), (16, 16), (31, 16), (32, 32)):
+        m = qwen3_tiny(length_keyed_from=keyed_from)
+        run_prompt(m, "a", list(range(100, 150)))
+        assert m.match_prefix("b", list(range(100, 160))) == shared, keyed_from
+
+
 def test_shared_pages_are_never_written_new_tokens_get_fresh_pages():
     m = qwen3_tiny()
     prompt = list(range(50))

@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 
+import pytest
+
 import appliance.engine.loop as engine_loop
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
+from tests.conftest import failed_steps_since_last_look
 from tests.engine.instrumented import HookedEngine, ScriptedRunner, StepHooks
 
 
@@ -37,6 +40,7 @@ def final(handle):
     return deltas
 
 
+@pytest.mark.expects_failed_steps
 def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgotten(caplog):
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=4",
                               "max_num_seqs=4"])
@@ -58,8 +62,13 @@ def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgo
         runner.release.set()
         finals = {rid: final(h)[-1] for rid, h in handles.items()}
         final(gate)
+        failed_steps = engine.stats().failed_steps
     finally:
         engine.shutdown()
+    # The batch step and poison's retry failed: counted (Stats, /metrics) and told to the suite's check
+    # (tests/conftest.py), which this test, marked, reads itself.
+    assert failed_steps == 2
+    assert failed_steps_since_last_look() == ["RuntimeError: injected runner failure for ['poison']"] * 2
     assert finals["poison"].finish_reason is FinishReason.ABORTED
     assert finals["poison"].error == "RuntimeError: injected runner failure for ['poison']"
     for rid, token in (("a", 20), ("b", 21)):

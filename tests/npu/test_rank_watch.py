@@ -35,6 +35,29 @@ def test_an_idle_rank_killed_is_reported_by_name_and_reaped():
     assert alive.returncode == -signal.SIGKILL
 
 
+def test_a_rank_exiting_0_while_serving_is_a_death_too():
+    """Only the owner's stop ends a rank well; an exit 0 before it leaves the others waiting all the same."""
+    alive, quitter = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["true"])
+    heard: list[str] = []
+    told = threading.Event()
+    ranks = watched(alive, quitter)
+    try:
+        ranks.watch(lambda message: (heard.append(message), told.set()), threading.Event())
+        assert told.wait(30)
+        assert heard == [f"rank 2 (pid {quitter.pid}) died: exited with status 0"]
+    finally:
+        ranks.kill()
+
+
+def test_stopping_kills_a_stopped_rank_at_once():
+    """A SIGSTOPped rank can neither exit on the owner's stop nor take SIGTERM: it is killed, not waited for."""
+    leaving, frozen = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "60"])
+    os.kill(frozen.pid, signal.SIGSTOP)
+    ranks = watched(leaving, frozen)
+    ranks.stop(wait_s=600)                              # returns long before the wait: nothing to wait for
+    assert leaving.returncode == 0 and frozen.returncode == -signal.SIGKILL
+
+
 def test_ranks_exiting_after_a_deliberate_stop_are_no_death():
     rank = subprocess.Popen(["sleep", "60"])
     heard: list[str] = []

@@ -121,6 +121,27 @@ def test_chat_logprobs_and_top_logprobs_streamed_and_not(served):
     assert plain.choices[0].logprobs is None
 
 
+def test_sampled_chat_top_logprobs_have_exactly_n_entries(served):
+    """Sampling picks tokens outside the N most likely too; their entry still lists N candidates (the chosen token
+    first, then the most likely without it), streamed and not."""
+    name, client, _, _ = served
+    if name != "qwen3":
+        pytest.skip("the DeepSeek V4 tiny checkpoint has no chat template")
+    messages = [{"role": "user", "content": "Say something."}]
+    sampled = dict(model=None, messages=messages, max_tokens=12, temperature=2.0, seed=3, logprobs=True,
+                   top_logprobs=2)
+    content = client.chat.completions.create(**sampled).choices[0].logprobs.content
+    streamed = [e for chunk in client.chat.completions.create(**sampled, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    for entries in (content, streamed):
+        assert len(entries) == 12 and all(len(e.top_logprobs) == 2 for e in entries)
+        assert all((e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob) for e in entries)
+    # The case that matters happened: a token chosen outside the 2 most likely (seen with the same seed and 20).
+    wide = client.chat.completions.create(**{**sampled, "top_logprobs": 20}).choices[0].logprobs.content
+    assert [e.token for e in wide] == [e.token for e in content]
+    assert any(sum(t.logprob > e.logprob for t in w.top_logprobs[1:]) >= 2 for e, w in zip(content, wide))
+
+
 @pytest.mark.parametrize("route, extra, field", [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

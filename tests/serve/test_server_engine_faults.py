@@ -67,6 +67,7 @@ def test_a_request_id_already_in_flight_is_refused_naming_request_id(serving):
     wait_for(lambda: all_blocks_free(serving.engine), what="blocks back")
 
 
+@pytest.mark.expects_failed_steps
 @pytest.mark.parametrize("streamed_before_failure", [0, 3])
 def test_a_runner_failing_for_one_request_fails_it_alone(serving, rc, streamed_before_failure):
     rng = random.Random(streamed_before_failure)

@@ -19,6 +19,7 @@ from appliance.core.config import L, Layout, ModelSpec, ParallelSettings
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.parallel import RankPlace, resolve_parallel
+from appliance.core.prefix_reuse import LengthDependentKv
 
 
 def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -35,6 +36,10 @@ def _no_rules(layout: Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
 
 def _no_layout_rules(layout: Layout) -> list[ConfigIssue]:
     return []
+
+
+def _tokens_alone(layout: Layout) -> LengthDependentKv | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class Architecture(Generic[L]):
     # (checked before they are derived; `validate` runs after).
     layout: type[L] = field(kw_only=True)
     layout_rules: Callable[[L], list[ConfigIssue]] = field(default=_no_layout_rules, kw_only=True)
+    # Where a cached page stops depending on the prompt's tokens alone (core/prefix_reuse.py); None: nowhere.
+    length_dependent_kv: Callable[[L], LengthDependentKv | None] = field(default=_tokens_alone, kw_only=True)
 
 
 ARCHITECTURES: dict[str, Architecture[Any]] = {a.name: a for a in (
@@ -80,7 +87,8 @@ ARCHITECTURES: dict[str, Architecture[Any]] = {a.name: a for a in (
                  hf_value_kinds=deepseek_v4.HF_VALUE_KINDS,
                  layout_from_hf_config=deepseek_v4.layout_from_hf_config,
                  cache_groups_for=deepseek_v4.cache_groups_for,
-                 layout=deepseek_v4.DeepseekV4Layout, layout_rules=deepseek_v4.layout_rules),
+                 layout=deepseek_v4.DeepseekV4Layout, layout_rules=deepseek_v4.layout_rules,
+                 length_dependent_kv=deepseek_v4.length_dependent_kv),
 )}
 HF_ARCHITECTURES: dict[str, Architecture[Any]] = {hf: a for a in ARCHITECTURES.values() for hf in a.hf_architectures}
 

@@ -19,6 +19,7 @@ from appliance.core.checks import Checker
 from appliance.core.config import Layout, ModelSpec
 from appliance.core.errors import ConfigIssue
 from appliance.core.kv_cache_spec import DTYPE_BYTES, CacheGroupSpec, ring_blocks
+from appliance.core.prefix_reuse import LengthDependentKv
 
 STATE_GROUPS = ("hca_state", "csa_state", "csa_inner_state")
 # The MTP layers' sliding-window rows, a group of their own that exists only with speculative.method=mtp.
@@ -260,6 +261,22 @@ def compress_ratios(layout: DeepseekV4Layout) -> tuple[int, int] | None:
 def csa_ratio(layout: DeepseekV4Layout) -> int:
     """The CSA ratio: the smallest nonzero one. Its compressors (and the indexer's) pool overlapping windows."""
     return min((r for r in layout.main_layer_ratios if r), default=0)
+
+
+TIE_PRONE_INDEX_HEADS = 16     # fewer indexer heads: all-zero scores, the only exact ties, are common
+
+
+def length_dependent_kv(layout: DeepseekV4Layout) -> LengthDependentKv | None:
+    """From the indexer's first top-k choice on, tied scores break by the prompt's length (core/prefix_reuse.py)."""
+    csa = csa_ratio(layout)
+    if not csa:
+        return None
+    heads = layout.index_num_heads
+    relation = "<" if heads < TIE_PRONE_INDEX_HEADS else ">="
+    return LengthDependentKv(
+        (layout.index_topk + 1) * csa - 1, heads < TIE_PRONE_INDEX_HEADS,
+        f"model.layout.index_num_heads={heads} {relation} {TIE_PRONE_INDEX_HEADS}: tied indexer scores are "
+        f"{'likely' if relation == '<' else 'rare'}")
 
 
 def state_span_pages(start: int, num_tokens: int, ratio: int, tokens_per_page: int, overlap: bool) -> int:
