@@ -173,8 +173,8 @@ def test_engine_oracle_workload_on_the_gpu(tmp_path):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_paged_decode_kernel_on_the_gpu_equals_attention_over_gathered_pages(dtype, tolerance):
-    from tests.npu.test_paged_attention_triton import gathered_attention
     from npu.paged_attention_triton import triton_decode_attention
+    from tests.npu.test_paged_attention_triton import gathered_attention
     heads, kv_heads, dim, block, num_pages = 32, 8, 128, 16, 64
     kernel = triton_decode_attention(torch.device("cuda"), dtype, heads, kv_heads, dim, block)
     gen = torch.Generator(device="cuda").manual_seed(1)
