@@ -289,7 +289,6 @@ class DeepseekV4Runner(ModelRunner):
                 hidden[i] = last[n:n + 1]
                 rows[i] = SeqStep(spec[i].request_id, [0], spec[i].start_pos + k, spec[i].block_tables)
                 fed[i] = (0, tokens[n:n + 1])
-        by_id = {id(s): j for j, s in enumerate(spec)}
         verify = [s if not s.num_draft else
                   SeqStep(s.request_id, s.token_ids + [0] * s.num_draft, s.start_pos, s.block_tables,
                           prompt_len=s.prompt_len, all_logits=True) for s in seqs]
