@@ -75,6 +75,7 @@ BENCHMARKS = (
     Benchmark("http", "bench_http.py", GRPC_SERVER, setup_s=15, run_s=15),
     Benchmark("health", "bench_health_under_big_prompts.py", ("--seconds", "5"), setup_s=10, run_s=16),
     Benchmark("tp", "bench_tp.py", setup_s=5, run_s=10),
+    Benchmark("startup", "bench_startup.py", setup_s=0, run_s=5),          # one 8 GiB CPU start per run
     Benchmark("step", "bench_step.py", ("--threads", "1"), setup_s=60, run_s=30),
     Benchmark("dsv4", "bench_dsv4.py", setup_s=300, run_s=60),    # transformers one request at a time: slow
     Benchmark("peers", "bench_peers.py", setup_s=120, run_s=120),

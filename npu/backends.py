@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -33,11 +32,11 @@ from appliance.core.config import DeviceSettings
 from appliance.core.errors import StartupError
 from npu.cpu_malloc import keep_freed_memory
 from npu.cpu_memory import AllocationTracker
+from npu.cpu_threads import choose_cpu_threads, read_host_cpus
 
 log = logging.getLogger("npu.backends")
 
 MEMINFO = "/proc/meminfo"
-LOADAVG = "/proc/loadavg"
 NPU_INSTALL_HINT = ("install the torch-npu package (pip install '.[npu]') on a host with the Ascend CANN toolkit "
                     "installed and sourced (set_env.sh)")
 
@@ -258,46 +257,6 @@ def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
     return values
 
 
-def host_busy_cores(loadavg_path: str | None = None) -> float:
-    """How many of the host's cores other work keeps busy: the 1-minute load average, or the processes runnable
-    right now besides this one when more (the average lags a minute behind a load that just began)."""
-    try:
-        with open(loadavg_path or LOADAVG) as fh:
-            fields = fh.read().split()
-        runnable_now = int(fields[3].split("/")[0]) - 1
-        return max(float(fields[0]), float(runnable_now))
-    except (OSError, IndexError, ValueError):
-        return os.getloadavg()[0]
-
-
-@dataclass(frozen=True)
-class ThreadChoice:
-    threads: int
-    reason: str
-
-
-def auto_cpu_threads(cores: int, busy: float, ranks_on_host: int = 1) -> ThreadChoice:
-    """device.cpu_threads=null: one intra-op thread per core this rank may use that other work does not keep busy,
-    at least 1. Why not every core: OpenMP's threads meet at a barrier after every op, so one thread descheduled
-    by another process stalls the rest; on a shared host 2 threads were 10-30x slower than 1 (BENCHMARKS.md,
-    "Shared host") while on an idle host each extra core is a gain."""
-    share = max(1, cores // max(1, ranks_on_host))
-    free = cores - round(busy)
-    threads = max(1, min(share, free))
-    ranks = f", {ranks_on_host} ranks sharing them" if ranks_on_host > 1 else ""
-    if free >= share:
-        why = f"{share} idle for this rank" if ranks_on_host > 1 else "every core idle"
-    else:
-        why = f"only {free} idle" if free >= 1 else "none idle, so the least: 1"
-    return ThreadChoice(threads, f"{cores} cores{ranks}, about {busy:.1f} busy with other work: {why}")
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on, at most torch's current thread count (its default: one per physical
-    core; lower when the embedding application set it so)."""
-    return max(1, min(len(os.sched_getaffinity(0)), torch.get_num_threads()))
-
-
 class CpuBackend(Backend):
     """The host as one device. Peak is tracked by AllocationTracker inside `tracking()` windows."""
 
@@ -309,9 +268,12 @@ class CpuBackend(Backend):
             raise BackendUnavailableError(f"device.count={count}: the cpu backend has exactly one device")
         super().__init__(1)
         if threads is None:                  # a server shares the host with its clients (and often more)
-            choice = auto_cpu_threads(cpu_cores(), host_busy_cores(), ranks_on_host)
-            log.info("device.cpu_threads=null: %d intra-op thread%s (%s); set device.cpu_threads to choose",
-                     choice.threads, "" if choice.threads == 1 else "s", choice.reason)
+            choice = choose_cpu_threads(read_host_cpus(), ranks_on_host)
+            left = (f"{choice.left_beside} of {choice.usable} usable cores left to" if choice.left_beside else
+                    f"all {choice.usable} usable cores taken, so the engine's threads share them with")
+            log.info("device.cpu_threads=null: %d intra-op thread%s (%s); %s the front ends and anything else this "
+                     "process runs (the event loop, tokenizing, detokenizing); set device.cpu_threads to choose",
+                     choice.threads, "" if choice.threads == 1 else "s", choice.reason, left)
             threads = choice.threads
         torch.set_num_threads(threads)
         keep_freed_memory()          # a step reuses the last step's pages instead of faulting in new ones

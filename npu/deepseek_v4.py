@@ -61,7 +61,11 @@ class DeepseekV4Runner(ModelRunner):
                                         (f"cmp_c{self.csa_ratio}", "idx"), overlap=True),
             self.hca_ratio: Compression(self.hca_ratio, ("hca_state",), (f"cmp_c{self.hca_ratio}",), overlap=False),
         }
-        self.state_groups = STATE_GROUPS
+        self.state_groups = STATE_GROUPS          # zeroed by zero_new_pages whenever a step announces a page
+        # The MTP window can read a row its layer never wrote as a valid one (a prefix hit on a prompt that ended with
+        # its prefill: its last MTP row waited for a next token): zeroed on first use, as a zeroed pool had it. Every
+        # other group reads rows never written only under torch.where (paging.PoolIO.read): never cleared.
+        self.zero_on_first_use = frozenset({MTP_WINDOW_GROUP})
         # Speculative decoding: the MTP layer's window group exists only with speculative.method=mtp.
         self.drafts = any(g.name == MTP_WINDOW_GROUP for g in model.cache_groups)
         self.mtp_history: dict[str, MtpHistory] = {}
@@ -188,9 +192,6 @@ class DeepseekV4Runner(ModelRunner):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """One step under inference mode (as Qwen3Runner.forward): the model is hundreds of tiny ops per layer,
         and no_grad still pays autograd's per-op bookkeeping (about 15% of a tiny-model decode step)."""
-        for name in self.state_groups:
-            if batch.new_pages.get(name):
-                self.zero_pages(name, batch.new_pages[name])
         lay = self.model.layout
         if not batch.seqs:
             if self.expert_parallel is not None:

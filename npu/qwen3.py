@@ -100,6 +100,9 @@ class Qwen3Runner(ModelRunner):
         self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
         self.graphs: DecodeGraphs | None = None                # decode steps through static buffers (capture_graphs)
         self.graph_pages = 0                                   # page-table width of those buffers: max_model_len
+        # The pool starts uninitialized; gather + SDPA reads rows past a row's position and padding pages under a
+        # mask, which does not stop a NaN there (NaN x 0 = NaN): each page is zeroed when a step first announces it.
+        self.zero_on_first_use = frozenset({KV})
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

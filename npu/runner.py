@@ -9,6 +9,13 @@ Pools are allocated at runtime from the plan: one tensor per cache group shaped
 pages (pool[layer]) are contiguous storage: a step reads them with block tables and never copies a
 strided view of the pool (an accelerator would materialize one per layer). Kernels take block tables
 and read strides from these tensors, so no pool size is baked into any shape.
+
+Pools start uninitialized (torch.empty: a pool the size of the memory budget is never touched as a whole at start).
+What a step may read before it writes is zero when first read: page 0 and the scratch pages from allocation, and
+each runner names its groups whose pages must be zeroed when a step announces them (StepBatch.new_pages):
+`state_groups` every time (rows that accumulate), `zero_on_first_use` the first time (a read of never-written rows
+could reach the math there, e.g. SDPA's masked columns: a masked NaN still poisons the output, NaN x 0 = NaN). A
+group in neither reads rows never written only under a torch.where mask.
 """
 
 from __future__ import annotations
@@ -60,6 +67,11 @@ class ModelRunner(ABC):
         self.pools: dict[str, torch.Tensor] = {}
         self.num_blocks: dict[str, int] = {}
         self.num_scratch = 0
+        # What zero_new_pages clears (each runner names its groups): state_groups' pages every time a step announces
+        # them, zero_on_first_use groups' pages the first time (_unzeroed: per page, 1 until then).
+        self.state_groups: tuple[str, ...] = ()
+        self.zero_on_first_use: frozenset[str] = frozenset()
+        self._unzeroed: dict[str, bytearray] = {}
 
     def use_collectives(self, tensor: Collective | None, expert: Collective | None) -> None:
         """The collectives of this rank's tensor- and expert-parallel groups (set once the ranks have joined)."""
@@ -118,19 +130,35 @@ class ModelRunner(ABC):
         return getattr(torch, spec.row_dtype)
 
     def allocate_pools(self, num_blocks: Mapping[str, int], num_scratch: int) -> None:
-        """Allocate every group's pool: num_blocks[group] pages plus num_scratch scratch pages at the end."""
+        """Allocate every group's pool: num_blocks[group] pages plus num_scratch scratch pages at the end.
+
+        The pages are not cleared here (torch.empty): zeroing a whole pool touched every byte before serving (an 8 GiB
+        CPU budget took 22 s). What a step can read before writing is zeroed instead: now, page 0 (what padding entries
+        of a block table name) and the scratch pages (padding rows' and the startup profile's); the rest when a step
+        first announces them (zero_new_pages), for the groups that need it."""
         self.free_pools()
         try:
             for spec in self.cache_specs:
-                pages = num_blocks[spec.name] + num_scratch
-                self.pools[spec.name] = torch.zeros(
-                    (spec.num_layers, pages, spec.rows_per_block, self.row_elements(spec)),
-                    dtype=self.pool_dtype(spec), device=self.device)
+                blocks = num_blocks[spec.name]
+                pool = self.empty_pool((spec.num_layers, blocks + num_scratch, spec.rows_per_block,
+                                        self.row_elements(spec)), self.pool_dtype(spec))
+                pool[:, :1].zero_()
+                pool[:, blocks:].zero_()
+                self.pools[spec.name] = pool
+                if spec.name in self.zero_on_first_use:
+                    unzeroed = bytearray(b"\1") * blocks    # per page, 1 until zeroed (the scratch pages past blocks
+                    if blocks:                               # are, and page 0)
+                        unzeroed[0] = 0
+                    self._unzeroed[spec.name] = unzeroed
         except Exception:
             self.free_pools()
             raise
         self.num_blocks = dict(num_blocks)
         self.num_scratch = num_scratch
+
+    def empty_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pool's memory as the device gives it (tests override this to start pools full of NaN)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def row_elements(self, spec: CacheGroupSpec) -> int:
         """Elements per row in the pool dtype (extra bytes, e.g. an fp32 scale, are stored inline)."""
@@ -140,6 +168,7 @@ class ModelRunner(ABC):
 
     def free_pools(self) -> None:
         self.pools.clear()
+        self._unzeroed.clear()
         self.num_blocks = {}
 
     def shutdown(self) -> None:
@@ -155,6 +184,24 @@ class ModelRunner(ABC):
         for start, stop in contiguous_runs(pages):
             pool[:, start:stop].zero_()
 
+    def zero_new_pages(self, new_pages: Mapping[str, list[int]]) -> None:
+        """Before a step: the announced pages (StepBatch.new_pages) of `state_groups` every time (their rows
+        accumulate from zero), those of `zero_on_first_use` groups the first time only (their pools start
+        uninitialized, and a read of never-written rows there could reach the math); other groups' pages are left
+        as they are (every read of a row never written is masked with torch.where)."""
+        for group, pages in new_pages.items():
+            if not pages:
+                continue
+            if group in self.state_groups:
+                self.zero_pages(group, pages)
+            elif group in self._unzeroed:
+                unzeroed = self._unzeroed[group]
+                first = [p for p in pages if 0 <= p < len(unzeroed) and unzeroed[p]]
+                if first:
+                    self.zero_pages(group, first)
+                    for p in first:
+                        unzeroed[p] = 0
+
     # -- steps -------------------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return logits [number of seqs with sample=True, vocab], in batch order, in float32 or
@@ -164,7 +211,9 @@ class ModelRunner(ABC):
         (no `.tolist()`, `.item()`, `bool(t)`, `.cpu()` or data-dependent shapes) and keeps every operand on the
         runner's device, so a GPU or NPU runs it without waiting and it could be captured as a graph;
         tests/npu/test_device_guard.py runs it on fake CUDA tensors, where either mistake fails."""
-        return self.forward(self.prepare(batch))
+        inputs = self.prepare(batch)
+        self.zero_new_pages(batch.new_pages)
+        return self.forward(inputs)
 
     @abstractmethod
     def prepare(self, batch: StepBatch) -> Any:

@@ -51,8 +51,10 @@ def draft_rows(seqs: list[SeqStep]) -> int:
 @dataclass
 class StepBatch:
     seqs: list[SeqStep]
-    # Pages (per group) that received a new logical page since the previous step. The runner zeroes
-    # those of state groups before use, clearing contiguous runs of page ids in one copy each.
+    # Pages (per group) that received a new logical page since the previous step. The runner zeroes those of
+    # state groups before use, and those of the groups it zeroes on first use the first time (pools start
+    # uninitialized: ModelRunner.zero_new_pages), clearing contiguous runs of page ids in one copy each. Every
+    # page must be announced before a step reads it (the engine announces each one it hands out).
     new_pages: dict[str, list[int]] = field(default_factory=dict)
     # A startup profiling step (ModelRunner.scratch_batch): the runner takes the heaviest branch of every
     # data-dependent choice (an MoE routes every token to the same experts), so its peak bounds real steps.

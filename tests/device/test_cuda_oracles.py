@@ -206,7 +206,7 @@ def test_recorded_decode_graphs_give_the_eager_steps_logits():
             for i in range(5)]
     for r in runners:
         for name, tokens, table in seqs:
-            r.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": table}, sample=False)]))
+            r.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": table}, sample=False)], new_pages={"kv": table}))
     worst = 0.0
     for step in range(8):
         batch = StepBatch([SeqStep(name, [rng.randrange(3, 500)], len(tokens) + step, {"kv": table})

@@ -1,5 +1,6 @@
 """The engine serving a DeepSeek V4 checkpoint gives transformers' greedy tokens, whatever the engine does with
-the requests: concurrent batching with chunked prefill, prefix-cache hits (ring groups included), preemption."""
+the requests: concurrent batching with chunked prefill, prefix-cache hits (ring groups included), preemption; its
+pools start full of NaN (tests/support/pools.py), so no row it never wrote can reach the math."""
 
 import random
 
@@ -10,10 +11,16 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.pools import pools_start_full_of_nan
 
 transformers = pytest.importorskip("transformers")
 
 NEW = 8
+
+
+@pytest.fixture(autouse=True)
+def nan_pools(monkeypatch):
+    pools_start_full_of_nan(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -257,3 +257,39 @@ def test_catch_up_rows_read_the_committed_tokens_also_when_they_were_drafts(monk
     for first, tokens, _ in catch_ups:         # tokens: those at positions first + 1 .. start (the step's first)
         assert any(s[first + 1:first + 1 + len(tokens)] == tokens for s in sequences), \
             f"catch-up rows from {first} got {tokens}, which no sequence has there"
+
+
+@pytest.mark.parametrize("zeroed", [True, False], ids=["mtp_zeroed_on_first_use", "mtp_left_uninitialized"])
+def test_a_prefix_hit_past_an_mtp_row_never_written_drafts_from_zeros_not_nan(monkeypatch, zeroed):
+    """Pools start full of NaN (tests/support/pools.py). A 64-token prompt finishes after its prefill (max_tokens 1),
+    so its MTP layer never writes row 63 (a row is written once the next token is known); a longer prompt hits its 64
+    cached tokens and drafts: the MTP window reads row 63 as a valid row. The `mtp` group's pages are zeroed when
+    first used, so that row reads 0 as in a zeroed pool and the drafter's logits stay finite; left uninitialized
+    (what the test shows for contrast), the NaN reaches every later drafting pass of the request."""
+    from tests.support.pools import pools_start_full_of_nan
+    pools_start_full_of_nan(monkeypatch)
+    if not zeroed:
+        init = DeepseekV4Runner.__init__
+
+        def no_mtp_zeroing(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.zero_on_first_use = frozenset()
+        monkeypatch.setattr(DeepseekV4Runner, "__init__", no_mtp_zeroing)
+    passes, mtp_pass = [], DeepseekV4Runner._mtp_pass
+
+    def watched(self, seqs, hidden, worst_case, fed=None):
+        logits, last = mtp_pass(self, seqs, hidden, worst_case, fed)
+        if seqs and not worst_case:
+            passes.append(bool(logits.isnan().any()))
+        return logits, last
+    monkeypatch.setattr(DeepseekV4Runner, "_mtp_pass", watched)
+    shared = prompts(1, 64, 64, seed=9)[0]
+    longer = shared + prompts(1, 10, 10, seed=10)[0]
+    expected = reference([longer])
+    with Appliance.from_config(BASE + speculative(2)) as app:
+        app.generate([shared], SamplingParams(max_tokens=1, ignore_eos=True))
+        passes.clear()
+        result = app.generate([longer], GREEDY)[0]
+    assert result.usage.cached_prompt_tokens == 64 and len(passes) > 1
+    assert result.token_ids == expected[0]               # verification keeps greedy output either way
+    assert any(passes) != zeroed

@@ -4,7 +4,9 @@ engine: transformers' `generate` with Qwen3ForCausalLM and DeepseekV4ForCausalLM
 checkpoint the test writes.
 
 A divergence is accepted only where the oracle's own top two logits are within NEAR_TIE (float rounding
-between two correct implementations), and at most one prompt may diverge at all.
+between two correct implementations), and at most one prompt may diverge at all. The pools start full of NaN (the
+worst an uninitialized pool can hold: tests/support/pools.py), Qwen3's decode rows on the CPU paged kernel and,
+with the kernels off, on gather + SDPA.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from appliance.offline import Appliance
 from tests.engine.instrumented import hooked_runner, runner_for_engine
 from tests.support.checkpoints import write_tiny_checkpoint
 from tests.support.kv import free_blocks, total_blocks
+from tests.support.pools import pools_start_full_of_nan
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4
@@ -76,7 +79,8 @@ def assert_same_greedy(prompts: list[list[int]], ours: list[list[int]], expected
 
 
 def run_appliance(overrides: list[str], prompts: list[list[int]]):
-    """The first prompt alone (it fills the prefix cache), then the rest at once; the runner records steps."""
+    """The first prompt alone (it fills the prefix cache), then the rest at once; the runner records steps. Returns
+    the greedy tokens and the runner."""
     rc = load_runtime_config(overrides)
     runner = hooked_runner(rc.model)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -91,14 +95,21 @@ def run_appliance(overrides: list[str], prompts: list[list[int]]):
     assert any(r.usage.cached_prompt_tokens > 0 for r in results), "no prefix-cache hit"
     assert any(not sample for _, _, _, sample in rows), "no prompt was prefilled in several chunks"
     assert any(start > 0 and n > 1 for _, start, n, _ in rows), "no chunk continued a prefill"
-    return [r.token_ids for r in results]
+    return [r.token_ids for r in results], runner
 
 
-@pytest.mark.parametrize("name, seed, oracle", [("qwen3_tiny", 11, "Qwen3ForCausalLM"),
-                                                 ("dsv4_tiny", 12, "DeepseekV4ForCausalLM")])
-def test_engine_greedy_equals_transformers_generate(name, seed, oracle, tmp_path, one_torch_thread):
+@pytest.mark.parametrize("name, seed, oracle, kernels", [("qwen3_tiny", 11, "Qwen3ForCausalLM", "1"),
+                                                          ("qwen3_tiny", 11, "Qwen3ForCausalLM", "0"),
+                                                          ("dsv4_tiny", 12, "DeepseekV4ForCausalLM", "1")],
+                         ids=["qwen3", "qwen3_gather", "dsv4"])
+def test_engine_greedy_equals_transformers_generate(name, seed, oracle, kernels, tmp_path, one_torch_thread,
+                                                    monkeypatch):
+    pools_start_full_of_nan(monkeypatch)
+    monkeypatch.setenv("APPLIANCE_CPU_KERNELS", kernels)       # "0": Qwen3's decode rows through gather + SDPA
     model = load_runtime_config([f"+model={name}"]).model
     checkpoint = write_tiny_checkpoint(tmp_path / name, model, seed=seed, std=0.1)
     prompts = workload(model.layout.vocab_size)
-    ours = run_appliance([f"+model={name}", f"model.weights={checkpoint}", *PRESSURE], prompts)
+    ours, runner = run_appliance([f"+model={name}", f"model.weights={checkpoint}", *PRESSURE], prompts)
+    if name == "qwen3_tiny":
+        assert (runner.paged_decode is None) == (kernels == "0")
     assert_same_greedy(prompts, ours, transformers_greedy(oracle, checkpoint, prompts, NEW_TOKENS))

@@ -27,6 +27,7 @@ def runner(graphs: bool) -> Qwen3Runner:
     r = Qwen3Runner(load_runtime_config(["+model=qwen3_tiny"]).model, "cpu")
     r.load_weights()
     r.allocate_pools({"kv": 40}, 8)
+    r.execute(StepBatch([], new_pages={"kv": list(range(40))}))    # every page zeroed, as when first used
     if graphs:
         assert "buckets [1, 2, 4, 8]" in r.capture_graphs(8, record=False, max_model_len=MAX_LEN)
     return r

@@ -110,7 +110,7 @@ def cached_history(runner, rng):
                  "dec": ([rng.randrange(3, 500) for _ in range(3)], [3]),
                  "long": ([rng.randrange(3, 500) for _ in range(40)], [4, 5, 6])}
     for name, (tokens, pages) in histories.items():
-        runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)]))
+        runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)], new_pages={"kv": pages}))
     return histories
 
 
@@ -124,7 +124,7 @@ def mixed_step(rng):
         pages = list(range(page, page + -(-n // 16)))
         page += len(pages)
         seqs.append(SeqStep(f"f{i}", [rng.randrange(3, 500) for _ in range(n)], 0, {"kv": pages}, sample=i != 1))
-    return StepBatch(seqs)
+    return StepBatch(seqs, new_pages={"kv": list(range(10, page))})     # first used here
 
 
 def test_sdpa_masks_are_bool_and_index_sources_contiguous(runner):
@@ -202,6 +202,7 @@ def test_fused_kernel_applies_only_on_npu_with_half_precision_and_16_multiple_bl
 def test_pages_hold_k_then_v_planes(runner):
     """The pool layout the fused kernel reads in place: page p's K rows at plane 2p, its V rows at 2p + 1."""
     runner.allocate_pools({"kv": 4}, 1)
+    runner.execute(StepBatch([], new_pages={"kv": [0, 1, 2, 3]}))     # each page zeroed, as when first used
     token, pos = 11, 5
     runner.execute(StepBatch([SeqStep("a", list(range(3, 3 + pos)) + [token], 0, {"kv": [2]})]))
     planes = runner.pools["kv"][0].view(-1, runner.block_size, runner.num_kv_heads * runner.head_dim)

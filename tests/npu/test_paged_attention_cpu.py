@@ -133,7 +133,8 @@ def mixed_step(rng: random.Random) -> tuple[dict, StepBatch]:
     step = StepBatch([SeqStep("a", [7], 3, {"kv": [3]}), SeqStep("c", [9], 40, {"kv": [4, 5, 6]}),
                       SeqStep("b", [11], 13, {"kv": [0, 1]}),
                       SeqStep("b2", [rng.randrange(3, 500) for _ in range(5)], 13, {"kv": [0, 1]}),
-                      SeqStep("f", [rng.randrange(3, 500) for _ in range(9)], 0, {"kv": [8]})])
+                      SeqStep("f", [rng.randrange(3, 500) for _ in range(9)], 0, {"kv": [8]})],
+                     new_pages={"kv": [8]})          # first used here (the pool starts uninitialized)
     return histories, step
 
 
@@ -155,7 +156,8 @@ def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_pat
         runner.allocate_pools({"kv": 16}, 1)
         histories, step = mixed_step(random.Random(5))
         for name, (tokens, pages) in histories.items():
-            runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)]))
+            runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)],
+                                     new_pages={"kv": pages}))
         results.append(runner.execute(step))
         runner.free_pools()
     layers = rc.model.layout.num_layers

@@ -77,7 +77,7 @@ def test_qwen3_decode_rows_through_the_kernel_match_the_gather_path():
     outs = []
     for r in runners:
         for name, tokens in prompts.items():
-            r.execute(StepBatch([SeqStep(name, tokens, 0, tables[name], sample=False)]))
+            r.execute(StepBatch([SeqStep(name, tokens, 0, tables[name], sample=False)], new_pages=tables[name]))
         outs.append(r.execute(StepBatch([SeqStep("a", [11], 37, tables["a"]), SeqStep("b", [12], 5, tables["b"])])))
     assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert outs[0].argmax(-1).tolist() == outs[1].argmax(-1).tolist()

@@ -1,7 +1,10 @@
 """Qwen3Runner against transformers' Qwen3ForCausalLM on the same tiny random checkpoint (float32).
 
 A small engine loop in this file drives the runner through StepBatch: staggered arrivals, chunked
-prefills mixed with decodes of other sequences in one step, pages from a shuffled free list.
+prefills mixed with decodes of other sequences in one step, pages from a shuffled free list, each page
+announced when first used (StepBatch.new_pages), as the engine does. Pools start uninitialized in serving;
+here the oracle runs with pools that start full of NaN, on both decode paths (the CPU paged kernel, which
+reads each row to its length, and gather + SDPA, whose masked columns would carry a NaN into the output).
 """
 
 import dataclasses
@@ -13,8 +16,10 @@ import torch
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
 from npu.qwen3 import Qwen3Runner
+from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.pools import pools_start_full_of_nan
 
 PROMPT_LENS = (5, 23, 40, 12, 33, 1)
 NEW_TOKENS = 20          # prefill + 19 decode steps per sequence
@@ -30,11 +35,20 @@ def ckpt(tmp_path_factory):
     return dataclasses.replace(rc.model, weights=str(path))
 
 
-@pytest.fixture(scope="module")
-def runner(ckpt):
+def runner_with(ckpt, decode: str) -> Qwen3Runner:
+    """The runner with its decode rows on the CPU paged kernel ("paged") or on gather + SDPA ("gather")."""
     r = Qwen3Runner(ckpt, "cpu")
+    if decode == "gather":
+        r.paged_decode = None
+    else:
+        assert r.paged_decode is not None
     r.load_weights()
     return r
+
+
+@pytest.fixture(scope="module")
+def runner(ckpt):
+    return runner_with(ckpt, "paged")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +74,7 @@ def drive(runner, prompts, num_blocks, new_tokens=NEW_TOKENS, chunk=CHUNK, seed=
     state = [dict(prompt=p, done=0, gen=[], logits=[], table=[]) for p in prompts]
     step = 0
     while any(len(s["gen"]) < new_tokens for s in state):
-        seqs, owners = [], []
+        seqs, owners, new = [], [], []
         for i, s in enumerate(state):
             if i > step or len(s["gen"]) >= new_tokens:
                 continue
@@ -71,9 +85,10 @@ def drive(runner, prompts, num_blocks, new_tokens=NEW_TOKENS, chunk=CHUNK, seed=
                 toks, sample = [s["gen"][-1]], True
             while len(s["table"]) * bs < s["done"] + len(toks):
                 s["table"].append(free.pop())
+                new.append(s["table"][-1])
             seqs.append(SeqStep(f"r{i}", list(toks), s["done"], {"kv": list(s["table"])}, sample=sample))
             owners.append((i, len(toks), sample))
-        logits = runner.execute(StepBatch(seqs))
+        logits = runner.execute(StepBatch(seqs, new_pages={"kv": new}))
         assert logits.dtype == torch.float32
         assert logits.shape == (sum(o[2] for o in owners), runner.model.layout.vocab_size)
         row = 0
@@ -87,8 +102,10 @@ def drive(runner, prompts, num_blocks, new_tokens=NEW_TOKENS, chunk=CHUNK, seed=
     return [s["gen"] for s in state], [torch.stack(s["logits"]) for s in state]
 
 
-def test_greedy_tokens_and_logits_match_transformers(runner, hf, prompts):
-    tokens, logits = drive(runner, prompts, num_blocks=64)
+@pytest.mark.parametrize("decode", ["paged", "gather"])
+def test_greedy_tokens_and_logits_match_transformers(ckpt, hf, prompts, decode, monkeypatch):
+    pools_start_full_of_nan(monkeypatch)
+    tokens, logits = drive(runner_with(ckpt, decode), prompts, num_blocks=64)
     full_matches = 0
     for prompt, ours, our_logits in zip(prompts, tokens, logits):
         with torch.no_grad():
@@ -106,6 +123,44 @@ def test_greedy_tokens_and_logits_match_transformers(runner, hf, prompts):
             f"prompt of {len(prompt)} tokens diverges from transformers at new token {diverge} "
             f"({ours[diverge]} vs {ref[diverge]}) without a near-tie (gap {(top2[0] - top2[1]).item():.2e})")
     assert full_matches >= len(prompts) - 1, "near-ties should be rare; most sequences must match entirely"
+
+
+@pytest.mark.parametrize("decode", ["paged", "gather"])
+def test_pools_that_start_full_of_nan_give_what_zeroed_pools_give(ckpt, prompts, decode, monkeypatch):
+    """Bit for bit: every row a step reads unmasked was written, and every page it reads is zeroed before it is
+    read (page 0 for padding and the scratch pages at allocation, each other page when first announced)."""
+    r = runner_with(ckpt, decode)
+    monkeypatch.setattr(ModelRunner, "empty_pool", lambda self, shape, dtype: torch.zeros(shape, dtype=dtype))
+    zeroed = drive(r, prompts, num_blocks=48)
+    pools_start_full_of_nan(monkeypatch)
+    poisoned = drive(r, prompts, num_blocks=48)
+    assert r.pools["kv"][:, 0].eq(0).all() and r.pools["kv"][:, 48:].eq(0).all()   # zeroed at allocation
+    assert r.pools["kv"].isnan().any(), "pages never used keep their NaN: nothing clears the whole pool"
+    assert poisoned[0] == zeroed[0]
+    assert all(torch.equal(a, b) for a, b in zip(poisoned[1], zeroed[1]))
+
+
+@pytest.mark.parametrize("decode, finite", [("paged", True), ("gather", False)])
+def test_a_page_not_announced_reaches_the_gather_paths_output_under_its_mask(ckpt, monkeypatch, decode, finite):
+    """Why the kv pool is zeroed on first use: decode rows of different lengths share one gather + SDPA call, which
+    masks the short row's columns past its position, and a NaN there still comes through (NaN x 0 = NaN). The paged
+    kernel reads each row only to its length. Announced (as the engine announces every page it hands out), the
+    page is zeroed before it is read and both paths give the row's logits alone."""
+    pools_start_full_of_nan(monkeypatch)
+    r = runner_with(ckpt, decode)
+    short, long_ = [5, 6, 7], list(range(3, 23))
+    tables = {"short": {"kv": [1]}, "long": {"kv": [2, 3]}}
+    outcome = {}
+    for announce in (False, True):
+        r.allocate_pools({"kv": 8}, 1)
+        for name, tokens in (("short", short), ("long", long_)):
+            r.execute(StepBatch([SeqStep(name, tokens, 0, tables[name], sample=False)],
+                                new_pages=tables[name] if announce else {}))
+        decode_step = [SeqStep("short", [9], 3, tables["short"]), SeqStep("long", [9], 20, tables["long"])]
+        outcome[announce] = r.execute(StepBatch(decode_step))
+        alone = r.execute(StepBatch(decode_step[:1]))[0]
+    assert bool(outcome[False][0].isfinite().all()) == finite       # the short row, read under the long row's mask
+    assert outcome[True].isfinite().all() and (outcome[True][0] - alone).abs().max().item() < 1e-5
 
 
 def test_one_runner_two_pool_sizes_same_outputs(runner, prompts):

@@ -55,14 +55,15 @@ def mixed_step(rng: random.Random) -> StepBatch:
     return StepBatch([SeqStep("dec", [7], 3, {"kv": [3]}), SeqStep("long", [9], 40, {"kv": [4, 5, 6]}),
                       SeqStep("cached", [rng.randrange(3, 500) for _ in range(8)], 13, {"kv": [0, 1, 2]}),
                       SeqStep("f0", [rng.randrange(3, 500) for _ in range(16)], 0, {"kv": [10]}),
-                      SeqStep("f1", [rng.randrange(3, 500) for _ in range(7)], 0, {"kv": [11]}, sample=False)])
+                      SeqStep("f1", [rng.randrange(3, 500) for _ in range(7)], 0, {"kv": [11]}, sample=False)],
+                     new_pages={"kv": [10, 11]})     # first used here (the pool starts uninitialized)
 
 
 def run_mixed(runner: Qwen3Runner, seed: int = 3) -> torch.Tensor:
     rng = random.Random(seed)
     runner.allocate_pools({"kv": 16}, 1)
     for name, (tokens, pages) in histories(rng).items():
-        runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)]))
+        runner.execute(StepBatch([SeqStep(name, tokens, 0, {"kv": pages}, sample=False)], new_pages={"kv": pages}))
     return runner.execute(mixed_step(rng))
 
 
@@ -152,6 +153,7 @@ def test_decode_rows_are_gathered_once_per_bucket(widths, buckets):
     Contexts end on the last token of their pages; the pool holds zeros but each row's own K/V."""
     runner = runner_on("cpu")
     runner.allocate_pools({"kv": sum(widths) + 2}, 1)
+    runner.execute(StepBatch([], new_pages={"kv": list(range(sum(widths) + 2))}))   # zeroed, as first used
     block, first = runner.block_size, 2
     chunk = SeqStep("chunk", list(range(3, 11)), block, {"kv": [0, 1]})
     decodes = []
