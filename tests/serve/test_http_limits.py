@@ -14,8 +14,8 @@ import pytest
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
-from appliance.serve.http import create_app
 from appliance.serve.http_limits import BodyLimit
+from appliance.serve.openai.app import create_app
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
 from tests.serve.test_server import Running, wait_for
