@@ -105,7 +105,11 @@ def constraint_message(constraint: OutputConstraint) -> pb.OutputConstraint:
         return pb.OutputConstraint(json_object=True)
     if kind is ConstraintKind.CHOICE:
         return pb.OutputConstraint(choice=pb.Choices(choices=list(constraint.choices)))
-    return pb.OutputConstraint(**{kind.value: constraint.text})
+    if kind is ConstraintKind.REGEX:
+        return pb.OutputConstraint(regex=constraint.text)
+    if kind is ConstraintKind.GRAMMAR:
+        return pb.OutputConstraint(grammar=constraint.text)
+    return pb.OutputConstraint(json_schema=constraint.text)
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
@@ -149,7 +153,7 @@ def generate_response(out: RequestOutput) -> pb.GenerateResponse:
                               logprobs=[token_logprob_message(lp) for lp in out.logprobs or ()])
     if out.prompt_logprobs is not None:
         msg.prompt_token_ids.extend(out.prompt_token_ids or ())
-        msg.prompt_logprobs.extend(token_logprob_message(lp) for lp in out.prompt_logprobs[1:])
+        msg.prompt_logprobs.extend(token_logprob_message(lp) for lp in out.prompt_logprobs[1:] if lp is not None)
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[FinishReason(out.finish_reason)]
     if out.usage is not None:

@@ -20,18 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from appliance.serve.openai_api import ApiError
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from appliance.serve.openai.errors import ApiError
 
 MAX_HEADER_BYTES = 65536        # h11_max_incomplete_event_size: request line + headers
 

@@ -86,11 +86,11 @@ class EngineCollector(Collector):
             "kv_cache_usage_perc": ("Fraction of the cache group's blocks held by requests (0..1).",
                                     lambda g: g.usage),
         }
-        for name, (doc, value) in families.items():
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "group"])
+        for name, (doc, of_group) in families.items():
+            per_group = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "group"])
             for g in s.groups:
-                family.add_metric([m, g.name], value(g))
-            yield family
+                per_group.add_metric([m, g.name], of_group(g))
+            yield per_group
 
 
 def metrics_registry(stats: Callable[[], EngineStats], model_name: str) -> CollectorRegistry:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
-from typing import Any
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, Usage
+from appliance.serve.state import EngineClient, OpenStream, RequestHandle
 
 
-def coalesce(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
+def coalesce(out: RequestOutput, queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
     """Merge deltas that queued up while the stream was busy: one message instead of many when the client or
     the event loop falls behind the engine (the concatenation of deltas stays the same)."""
     while not out.finished and out.error is None and not queue.empty():
@@ -32,12 +32,13 @@ class RequestStream:
     """A submitted request: `await next_output()` until one is finished; `abort()` frees its blocks.
     While open it sits in `registry` (the server's open streams), so a shutdown can end it."""
 
-    def __init__(self, handle: Any, queue: asyncio.Queue, request_id: str, registry: set | None = None):
+    def __init__(self, handle: RequestHandle, queue: asyncio.Queue[RequestOutput], request_id: str,
+                 registry: set[OpenStream] | None = None):
         self.handle = handle
         self.request_id = request_id
         self.completion_tokens = 0
         self._queue = queue
-        self._registry = registry if registry is not None else set()
+        self._registry: set[OpenStream] = registry if registry is not None else set()
         self._registry.add(self)
 
     async def next_output(self) -> RequestOutput:
@@ -55,7 +56,7 @@ class RequestStream:
     @property
     def prompt_tokens(self) -> int:
         """The prompt's length in tokens, known from submit on (the engine's usage comes only at the end)."""
-        seq = getattr(self.handle, "seq", None)
+        seq = self.handle.seq
         return len(seq.prompt_token_ids) if seq is not None else 0
 
     def end_aborted(self, error: str | None = None) -> None:
@@ -85,8 +86,8 @@ class ReplayedStream(RequestStream):
         return await super().next_output()
 
 
-async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: str | list[int],
-                      params: SamplingParams, registry: set | None = None) -> RequestStream:
+async def open_stream(engine: EngineClient, executor: Executor, request_id: str, prompt: str | list[int],
+                      params: SamplingParams, registry: set[OpenStream] | None = None) -> RequestStream:
     """engine.submit off the event loop. Raises what submit raises (RequestError, QueueFullError,
     EngineUnavailableError); a cancel while submitting aborts the request as soon as it exists."""
     loop = asyncio.get_running_loop()
@@ -98,10 +99,14 @@ async def open_stream(engine: Any, executor: Executor, request_id: str, prompt: 
         except RuntimeError:        # the server stopped and its loop closed: nobody reads this stream any more
             pass
 
+    def abort_once_submitted(submitted: asyncio.Future[RequestHandle]) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            submitted.result().abort()
+
     submit = loop.run_in_executor(executor, engine.submit, request_id, prompt, params, on_output)
     try:
         handle = await asyncio.shield(submit)
     except asyncio.CancelledError:
-        submit.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
+        submit.add_done_callback(abort_once_submitted)
         raise
     return RequestStream(handle, queue, request_id, registry)

@@ -36,6 +36,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def token_to_id(self, token: str) -> int | None:
+        """No special tokens: no marker is one token."""
+        return None
+
 
 class FakeHandle:
     def __init__(self, engine: "FakeEngine", request_id: str, prompt_ids: list[int]):

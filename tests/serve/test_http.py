@@ -19,7 +19,8 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
 from appliance.serve.api import appliance_pb2 as pb
-from appliance.serve.server import ApplianceServer, ServerBindError
+from appliance.serve.ports import ServerBindError
+from appliance.serve.server import ApplianceServer
 from tests.serve import test_server
 from tests.serve.certs import needs_openssl, self_signed_cert
 from tests.serve.fake_engine import FakeEngine, fail_submit, fake_token

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from appliance.config.compose import load_runtime_config
-from appliance.serve.openai_api import MAX_CHAT_MESSAGES, MAX_CHOICES
+from appliance.serve.openai.protocol import MAX_CHAT_MESSAGES, MAX_CHOICES
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
 from tests.serve.test_http_inputs import CHAT, COMPLETIONS, TEMPLATE, RecordingTokenizer, chat, post

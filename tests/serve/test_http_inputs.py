@@ -12,7 +12,7 @@ import pytest
 
 from appliance.config.compose import load_runtime_config
 from appliance.serve.chat_template import ChatTemplate
-from appliance.serve.openai_api import MAX_CHAT_MESSAGES
+from appliance.serve.openai.protocol import MAX_CHAT_MESSAGES
 from tests.serve.fake_engine import FakeEngine
 from tests.serve.test_server import Running, wait_for
 

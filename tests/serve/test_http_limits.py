@@ -14,8 +14,8 @@ import pytest
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
-from appliance.serve.http import create_app
 from appliance.serve.http_limits import BodyLimit
+from appliance.serve.openai.app import create_app
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
 from tests.serve.test_server import Running, wait_for
@@ -106,7 +106,8 @@ def test_the_app_never_pulls_more_than_the_limit_of_an_endless_body():
     """However long the body, the app (create_app behind BodyLimit, as served) takes at most one chunk past
     the limit from the server, and answers 413 with the connection closed."""
     rc = load_runtime_config(["server.http_port=0", "server.http_max_body_bytes=1000"])
-    state = SimpleNamespace(rc=rc, engine=FakeEngine(rc), executor=None, state="serving")
+    state = SimpleNamespace(rc=rc, engine=FakeEngine(rc), executor=None, state="serving", failure=None,
+                            open_streams=set())     # what the front ends read (appliance.serve.state.FrontEndState)
     app = BodyLimit(create_app(state, None), rc.server.http_max_body_bytes)
     chunk = b"y" * 300
     pulled = 0

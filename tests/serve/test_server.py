@@ -36,7 +36,8 @@ from appliance.core.request import (
 from appliance.core.units import human_bytes
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.convert import generate_request
-from appliance.serve.server import ApplianceServer, ServerBindError
+from appliance.serve.ports import ServerBindError
+from appliance.serve.server import ApplianceServer
 from appliance.serve.streams import coalesce
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from appliance.core.request import FinishReason
-from appliance.serve.server import ApplianceServer, ServerBindError
+from appliance.serve.ports import ServerBindError
+from appliance.serve.server import ApplianceServer
 from tests.serve import test_server
 from tests.serve.fake_engine import FakeEngine
 from tests.serve.test_server import Running, wait_for, with_server

@@ -1,41 +1,31 @@
-"""The OpenAI API's request and response shapes, and their translation to and from the engine's types.
+"""The OpenAI API's request bodies (pydantic models FastAPI validates the JSON against) and their translation to
+the engine's SamplingParams.
 
-Requests are pydantic models (FastAPI validates the JSON against them), strict where the OpenAI spec is strict:
-`"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer is still accepted where a number is
-expected); responses are plain dicts in the documented OpenAI shapes. A top-level field the models do not declare
-(a typo) is a 400 naming it, and declared ones the engine cannot honour (penalties, logit_bias,
-suffix, echo with stream) are refused likewise: nothing is silently ignored (inside a chat message, keys other than
-role, content, name, tool_calls, tool_call_id and reasoning still are). Beyond OpenAI: top_k, ignore_eos,
-stop_token_ids and structured_outputs (as vLLM accepts them). `response_format` and `structured_outputs` become the
-request's OutputConstraint (appliance/serve/structured.py); so does `tool_choice` "required" or a named function
+Strict where the OpenAI spec is strict: `"stream": "yes"` or `"max_tokens": true` is a 400, not a guess (an integer
+is still accepted where a number is expected). A top-level field the models do not declare (a typo) is a 400 naming
+it, and declared ones the engine cannot honour (penalties, logit_bias, suffix, echo with stream) are refused
+likewise: nothing is silently ignored (inside a chat message, keys other than role, content, name, tool_calls,
+tool_call_id and reasoning still are). Beyond OpenAI: top_k, ignore_eos, stop_token_ids and structured_outputs (as
+vLLM accepts them). `response_format` and `structured_outputs` become the request's OutputConstraint
+(appliance/serve/structured.py); so does `tool_choice` "required" or a named function
 (appliance/serve/tool_grammar.py).
 Of vLLM's extensions the benchmark clients send: repetition_penalty 1.0 (`vllm bench serve`) and
 stream_options.continuous_usage_stats (GuideLLM).
-Logprobs (completions `logprobs: N` and `echo`, chat `logprobs` / `top_logprobs`) come in vLLM's shapes and are
-the model's raw distribution (log_softmax of the logits before temperature, top-k and top-p: vLLM's default
-"raw_logprobs"); each position lists the chosen token first, then the most likely ones (vLLM's order).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
-from typing import Annotated, Any, Callable, Literal, Sequence
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from appliance.core.constraint import ConstraintError
-from appliance.core.request import (
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    TokenLogprob,
-    Usage,
-    lone_surrogate_at,
-)
+from appliance.core.request import SamplingParams, lone_surrogate_at
 from appliance.serve.chat_template import RENDERER_NAMES
+from appliance.serve.openai.errors import invalid
 from appliance.serve.structured import (
     ConstraintFieldError,
     JsonSchemaFormat,
@@ -44,44 +34,11 @@ from appliance.serve.structured import (
     request_constraint,
 )
 
-# Engine finish reasons as OpenAI spells them. An aborted request has none of OpenAI's reasons (stop, length,
-# content_filter, tool_calls): its stream ends with an error event instead (see OpenAIRoutes._events).
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop"}
-# Engine field names (RequestError.field) -> the OpenAI request field a client sent.
-REQUEST_FIELDS = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
 # Documented request limit (README "Request limits"): more messages are refused before any is validated or
 # rendered, so a body of many tiny messages costs the event loop no more than parsing it.
 MAX_CHAT_MESSAGES = 4096
 # Documented request limit: choices per request (n); each is an engine request, bounded by the wait queue too.
 MAX_CHOICES = 128
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, type and the request field (param) it is about."""
-
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
-
-
-def field_path(loc: tuple[Any, ...], names: frozenset[str]) -> str | None:
-    """A pydantic error location as the client wrote the field: `messages[0].content[1].text`, without the
-    union members pydantic adds (`prompt.str`, `content.list[ContentPart]`) or dict keys (`logit_bias.7`)."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in names:
-            path += f".{part}" if path else part
-    return path or None
 
 
 def lone_surrogate_path(value: Any, path: str) -> str | None:
@@ -118,7 +75,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False     # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -175,7 +132,7 @@ class _Sampling(_Request):
             ignore_eos=self.ignore_eos, constraint=constraint)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -202,11 +159,11 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise invalid("prompt", f"a batch of {len(p)} prompts: send one prompt per request")
-            p = p[0]
-        return p
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return cast("str | list[int]", p)      # validated: a list that starts with an id holds only ids
+        if len(p) != 1:
+            raise invalid("prompt", f"a batch of {len(p)} prompts: send one prompt per request")
+        return cast("str | list[int]", p[0])
 
 
 class ContentPart(_Strict):
@@ -256,7 +213,7 @@ class ChatMessage(_Strict):
                                   f"{part.type!r}: only text content parts are supported")
                 if part.text is None:
                     raise invalid(f"messages[{index}].content[{j}].text", "a text part needs a string \"text\"")
-            content = "".join(part.text for part in content)
+            content = "".join(part.text or "" for part in content)
         value: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             value["name"] = self.name
@@ -316,7 +273,7 @@ def _at_most_messages(value: Any) -> Any:
     return value
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], BeforeValidator(_at_most_messages)]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -404,9 +361,9 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = False   # True: the BOS token first (neither completions route adds it to a prompt)
     return_token_strs: bool = False
 
-    def chat(self) -> "ChatCompletionRequest":
+    def chat(self) -> ChatCompletionRequest:
         """The messages as a chat request, so they are checked and rendered exactly as chat completions are."""
-        return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+        return ChatCompletionRequest(messages=self.messages or [], add_generation_prompt=self.add_generation_prompt,
                                      chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
 
 
@@ -422,136 +379,3 @@ def request_field_names() -> frozenset[str]:
                                      StructuredOutputs, ToolCallIn, FunctionCallIn, ToolDefinition, FunctionDefinition,
                                      NamedToolChoice, NamedFunction]
     return frozenset(name for model in models for name in model.model_fields) | {"json", "schema"}
-
-
-# -- responses ---------------------------------------------------------------------------------------
-
-def choices_usage(usages: Sequence[Usage | None]) -> Usage | None:
-    """The usage of n choices of one prompt: the prompt counted once (with its first choice's cache hit), every
-    choice's completion tokens."""
-    if any(u is None for u in usages):
-        return None
-    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_prompt_tokens)
-
-
-def usage_body(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    """OpenAI's finish_reason; None while running and for an aborted request (which has no OpenAI reason)."""
-    return FINISH_REASONS.get(FinishReason(out.finish_reason)) if out.finish_reason is not None else None
-
-
-# The logprob OpenAI-compatible servers send for -inf (JSON has no infinity).
-MIN_LOGPROB = -9999.0
-
-
-def ranked(lp: TokenLogprob) -> list[tuple[int, float]]:
-    """vLLM's order of a position's candidates: the chosen token first, then the most likely without it."""
-    return [(lp.token_id, lp.logprob)] + [(t, v) for t, v in lp.top if t != lp.token_id]
-
-
-def completion_logprobs(entries: Sequence[TokenLogprob | None], token_ids: Sequence[int],
-                        token_text: Callable[[int], str], text_offset: int = 0) -> dict[str, Any]:
-    """The completions API's logprobs: per token its text, logprob, the candidates {text: logprob} (the chosen
-    token and the N most likely) and its character offset; a position without logprobs (the first prompt token)
-    has null ones."""
-    body: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for token_id, lp in zip(token_ids, entries, strict=True):
-        text = token_text(token_id)
-        body["tokens"].append(text)
-        body["text_offset"].append(text_offset)
-        text_offset += len(text)
-        body["token_logprobs"].append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
-        body["top_logprobs"].append(None if lp is None else
-                                    {token_text(t): max(v, MIN_LOGPROB) for t, v in ranked(lp)})
-    return body
-
-
-def chat_logprobs(entries: Sequence[TokenLogprob], num_top: int, token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The chat API's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [N candidates]}]}."""
-    def one(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8", "replace"))}
-    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in ranked(lp)[:num_top]]}
-                        for lp in entries]}
-
-
-@dataclasses.dataclass
-class Collected:
-    """A finished request's deltas put together (the non-streaming response is built from it)."""
-
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or ()
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_token_ids = out.prompt_logprobs, out.prompt_token_ids or ()
-
-
-class ResponseShape:
-    """What differs between completions and chat: object names and how a choice carries its text."""
-
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str):
-        self.kind, self.model = kind, model
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def full(self, text: str, reason: str | None, usage: Usage | None,
-             logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The non-streaming response of one choice."""
-        return self.full_choices([(text, reason, logprobs)], usage)
-
-    def full_choices(self, choices: list[tuple[Any, str | None, dict[str, Any] | None]],
-                     usage: Usage | None) -> dict[str, Any]:
-        """The non-streaming response: (text, or for chat the whole message, finish reason, logprobs) of each
-        choice, in index order."""
-        if self.kind == "chat":
-            body = self._envelope("chat.completion", [
-                {"index": i, "message": text if isinstance(text, dict) else {"role": "assistant", "content": text},
-                 "logprobs": logprobs, "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)])
-        else:
-            body = self._envelope("text_completion", [
-                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
-                for i, (text, reason, logprobs) in enumerate(choices)])
-        body["usage"] = usage_body(usage)
-        return body
-
-    def chunk(self, text: str | None, reason: str | None, include_usage: bool, *, role: bool = False,
-              logprobs: dict[str, Any] | None = None, index: int = 0,
-              delta_fields: dict[str, Any] | None = None, usage: Usage | None = None) -> dict[str, Any]:
-        """One streamed chunk of choice `index` (chat: its delta's content, or `delta_fields` such as reasoning or
-        tool calls); with include_usage every chunk but the last carries `usage` (null unless the client asked for
-        continuous usage)."""
-        if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            delta.update(delta_fields or {})
-            body = self._envelope("chat.completion.chunk",
-                                  [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
-        else:
-            body = self._envelope("text_completion", [
-                {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}])
-        if include_usage:
-            body["usage"] = usage_body(usage)
-        return body
-
-    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
-        """The last chunk of a stream with include_usage: no choices, the request's usage."""
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage_body(usage)}
