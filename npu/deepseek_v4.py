@@ -9,7 +9,7 @@ learned sink, grouped output projection. MoE (npu/dsv4/moe.py): routed experts (
 layers route by tid2eid[token]) plus a shared expert. The oracle is transformers' DeepseekV4ForCausalLM on
 the same weights (tests/npu/test_dsv4_oracle.py).
 
-Weights: the tensors and names of the released checkpoint (appliance/core/archs/deepseek_v4_weights.py).
+Weights: the tensors and names of the released checkpoint (appliance/core/archs/deepseek_v4/weights.py).
 They are held as stored: FP8 / FP4 matrices stay quantized on the device and each is dequantized to the
 compute dtype when its layer runs (a routed expert only when some token picks it), so the model is never
 in the compute dtype all at once. MTP layers (`mtp.J.*`) are loaded, checked and held the same way under
@@ -17,7 +17,7 @@ their released names (self.params), but not run: a speculative-decoding drafter 
 
 Steps may start anywhere and hold up to tokens_in_flight tokens per sequence, as long as every
 compressor-state ring has a slot for each page the step touches (block-aligned chunks always do; see
-appliance.core.archs.deepseek_v4.state_span_pages). Nothing bakes in a pool size: rows are located through
+appliance.core.archs.deepseek_v4.cache_groups.state_span_pages). Nothing bakes in a pool size: rows are located through
 the step's block tables on the runtime pools.
 """
 
@@ -28,8 +28,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, STATE_GROUPS, compress_ratios
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
+from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, STATE_GROUPS, compress_ratios
+from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 from appliance.core.parallel import RankPlace

@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.qwen3 import KV, held_slices, parameters
+from appliance.core.archs.qwen3.layout import KV
+from appliance.core.archs.qwen3.tensor_parallel import held_slices, parameters
 from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, FusedStep, fused_attention_op

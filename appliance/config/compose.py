@@ -23,7 +23,8 @@ from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout, mtp_window_group
+from appliance.core.archs.deepseek_v4.cache_groups import mtp_window_group
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
 from appliance.core.cache_groups import derive_cache_groups
 from appliance.core.checks import Checker, declared_rule_issues
 from appliance.core.config import Layout, ModelSpec, RuntimeConfig, freeze

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, DeepseekV4Layout
+from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
 from npu.dsv4.hyper import unweighted_rms
 from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.dsv4.rope import Rope, Rotation

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:

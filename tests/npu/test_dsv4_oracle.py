@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4 import csa_ratio
+from appliance.core.archs.deepseek_v4.layout import csa_ratio
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.step import SeqStep, StepBatch
 from npu.weights import load_state_dict
@@ -231,7 +231,7 @@ def test_batched_greedy_matches_transformers(weights, reference, garbage):
 
 def fits_rings(start: int, n: int) -> int:
     """The longest chunk <= n from `start` that every state ring holds (mid-window starts need a page more)."""
-    from appliance.core.archs.deepseek_v4 import state_span_pages
+    from appliance.core.archs.deepseek_v4.cache_groups import state_span_pages
     m = model()
     csa = csa_ratio(m.layout)
     while n > 1 and state_span_pages(start, n, csa, m.group("csa_state").tokens_per_page, True) > \

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4 import csa_ratio, state_span_pages
+from appliance.core.archs.deepseek_v4.cache_groups import state_span_pages
+from appliance.core.archs.deepseek_v4.layout import csa_ratio
 from appliance.core.step_limits import SeqShape, StepShape
 from npu.deepseek_v4 import DeepseekV4Runner
 from npu.dsv4 import moe as moe_module

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, parameter_counts
+from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, parameter_counts
 from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.errors import CheckpointError
 from appliance.core.estimate import estimate_peak_non_kv, offline_devices
