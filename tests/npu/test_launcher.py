@@ -12,7 +12,7 @@ from appliance.core.planner import DeviceMemory, InsufficientMemoryError, plan_c
 from appliance.modes.plan import make_plan
 from npu.backends import CpuBackend
 from npu.launcher import launch
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.registry import runner_class
 from npu.step import SeqStep, StepBatch
 from tests.support.fake_device import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
-from npu.dsv4.hyper import unweighted_rms
-from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
-from npu.dsv4.rope import Rope, Rotation
+from npu.deepseek_v4.hyper import unweighted_rms
+from npu.deepseek_v4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
+from npu.deepseek_v4.rope import Rope, Rotation
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
