@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
+from appliance.config.plain import plain_dict
 from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
 from appliance.core.archs.deepseek_v4.cache_groups import mtp_window_group
@@ -85,7 +86,7 @@ def check_override_keys(overrides: list[str], runtime_type: type = RuntimeConfig
 def defaults_list_groups() -> frozenset[str]:
     """The groups conf/config.yaml's defaults list selects (device, server): chosen as group=option, no '+'."""
     entries = OmegaConf.load(CONF_DIR / "config.yaml").defaults
-    return frozenset(k for e in entries if isinstance(e, DictConfig) for k in e if " " not in k)
+    return frozenset(str(k) for e in entries if isinstance(e, DictConfig) for k in e if " " not in str(k))
 
 
 def group_options(group: str) -> list[str]:
@@ -165,9 +166,11 @@ def load_model_config(name: str) -> DictConfig:
         raise ConfigError([ConfigIssue("default_model", name, f"must be one of {available_models()}")])
     base = OmegaConf.structured(schema.schema_class(ModelSpec))
     try:
-        return OmegaConf.merge(base, OmegaConf.load(path))
+        merged = OmegaConf.merge(base, OmegaConf.load(path))
     except OmegaConfBaseException as exc:
         raise ConfigError([ConfigIssue(f"model.{exc.full_key}", None, str(exc.msg))]) from None
+    assert isinstance(merged, DictConfig), "a structured mapping merged with a mapping is a mapping"
+    return merged
 
 
 def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
@@ -189,7 +192,7 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
     if checker.issues:
         raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     layout = _freeze_layout(checker, cfg.model)
-    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    plain = {k: v for k, v in plain_dict(cfg).items() if k != "hydra"}
     checker.issues += declared_rule_issues(runtime_type, plain)   # each rule declared with its setting
     _check_top_level(checker, cfg, layout)
     auth_token = _check_auth_token(checker, cfg.server)
@@ -205,6 +208,7 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
             groups += (mtp_window_group(groups[0], layout, cfg.speculative.num_tokens),)
     if checker.issues:
         raise ConfigError(checker.issues)
+    assert layout is not None, "no layout comes with an issue naming why"
     spec = freeze(ModelSpec, {**model, "layout": layout, "cache_groups": groups})
     arch_issues = architecture(spec.arch).validate(spec)
     parallel, parallel_issues = resolve_model_parallel(spec, freeze(field_type(runtime_type, "parallel"),
@@ -253,7 +257,7 @@ def _freeze_layout(c: Checker, model: DictConfig) -> Layout | None:
         return None                              # _check_layout names model.arch
     node = model.layout
     own = {f.name: f for f in dataclasses.fields(arch.layout)}
-    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not OmegaConf.is_missing(node, k)}
+    given = {k: v for k, v in plain_dict(node).items() if not OmegaConf.is_missing(node, k)}
     for key in given:
         if key not in own:
             c.fail(f"model.layout.{key}", given[key], f"not a key of arch {arch.name}'s layout "

@@ -141,7 +141,7 @@ class Attention:
             cmp = self.kinds[ratio].outputs[0]
             if ratio != self.csa:
                 parts.append((self.io.read(cmp, layer, group.keys[cmp], d, self.dtype), group.visible[ratio]))
-            elif (picked := self._index(layer, group, *index)) is not None:
+            elif index is not None and (picked := self._index(layer, group, *index)) is not None:   # CSA: set
                 parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
         return parts
 

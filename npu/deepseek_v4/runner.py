@@ -30,7 +30,7 @@ from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, STATE_GROU
 from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
-from appliance.core.parallel import RankPlace
+from appliance.core.parallel import RankPlace, TensorSlice
 from npu.deepseek_v4.attention import Attention, rms_norm
 from npu.deepseek_v4.expert_stacks import Held, stack_experts
 from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
@@ -51,7 +51,10 @@ class DeepseekV4Runner(ModelRunner):
         super().__init__(model, torch.device(device), place)
         lay = model.layout
         self.ratios = model.main_layer_ratios
-        self.csa_ratio, self.hca_ratio = compress_ratios(lay)
+        ratios = compress_ratios(lay)
+        if ratios is None:                        # the arch rules (run by ModelRunner) refuse such a layout first
+            raise ValueError(f"model.layout.compress_ratios {list(lay.compress_ratios)}: needs exactly two nonzero")
+        self.csa_ratio, self.hca_ratio = ratios
         self.dtype = getattr(torch, lay.dtype)
         self.kinds = {
             self.csa_ratio: Compression(self.csa_ratio, ("csa_state", "csa_inner_state"),
@@ -80,7 +83,7 @@ class DeepseekV4Runner(ModelRunner):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {t.name: (t.shape, getattr(torch, t.dtype)) for t in checkpoint_tensors(self.model.layout)}
 
-    def held_weights(self) -> dict[str, None]:
+    def held_weights(self) -> dict[str, TensorSlice | None]:
         """Expert parallel: the replicated weights and this rank's routed experts, each whole."""
         lay = self.model.layout
         return {t.name: None for w in rank_weights(lay, self.place) for t in stored_tensors(w, lay)}
@@ -100,7 +103,7 @@ class DeepseekV4Runner(ModelRunner):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hold quantized matrices as QuantizedWeight (values + scales), norm gains and float32 tensors in
         float32, routing tables as indices, everything else as loaded (the compute dtype)."""
-        lay, held = self.model.layout, {}
+        lay, held = self.model.layout, dict[str, Held]()
         for w in rank_weights(lay, self.place):
             t = weights[w.name]
             if w.format in ("fp8", "fp4"):
@@ -145,7 +148,10 @@ class DeepseekV4Runner(ModelRunner):
         weights, experts = route(x, w(p + "gate.weight"), lay.scoring_func, lay.num_experts_per_tok,
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
                                  table=table, token_ids=ids)
-        expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return w(f"{p}experts.{e}.w1.weight"), w(f"{p}experts.{e}.w3.weight"), w(f"{p}experts.{e}.w2.weight")
+
         if p in self.expert_stacks:
             w1, w3, w2 = (h.dequantize(self.dtype) if isinstance(h, QuantizedWeight) else h
                           for h in self.expert_stacks[p])
@@ -155,7 +161,8 @@ class DeepseekV4Runner(ModelRunner):
         else:
             routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
                                       lay.num_experts)
-        shared = swiglu(x, *(w(f"{p}shared_experts.{n}.weight") for n in ("w1", "w3", "w2")), lay.swiglu_limit)
+        shared = swiglu(x, w(f"{p}shared_experts.w1.weight"), w(f"{p}shared_experts.w3.weight"),
+                        w(f"{p}shared_experts.w2.weight"), lay.swiglu_limit)
         return routed + shared
 
     def _hc(self, prefix: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,7 +202,7 @@ class DeepseekV4Runner(ModelRunner):
                 self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         self.executed_steps += 1
-        seqs, fed, drafted, drafts = batch.seqs, {}, [], {}
+        seqs, fed, drafted, drafts = batch.seqs, Fed(), list[torch.Tensor](), dict[str, torch.Tensor]()
         passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
         if passes:
             seqs, fed, drafted, drafts = self._draft(seqs, passes, batch.worst_case)
@@ -254,7 +261,7 @@ class DeepseekV4Runner(ModelRunner):
         lay = self.model.layout
         spec = [s for s in seqs if s.num_draft]
         zero = lambda n: torch.zeros(n, lay.hc_mult, lay.hidden_size, dtype=self.dtype, device=self.device)  # noqa: E731
-        rows, hidden, fed = [], [], {}
+        rows, hidden, fed = list[SeqStep](), list[torch.Tensor](), Fed()
         for j, s in enumerate(spec):
             if len(s.token_ids) != 1:
                 raise ValueError(f"request {s.request_id!r}: a verifying row computes one token and its drafts, "
@@ -278,14 +285,14 @@ class DeepseekV4Runner(ModelRunner):
             live = [i for i, s in enumerate(spec) if s.num_draft > k]
             out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case,
                                        {n: fed[i] for n, i in enumerate(live) if i in fed})
-            tokens = out.argmax(dim=-1)                     # the drafts, on the device (first maximum on ties)
+            picked = out.argmax(dim=-1)                     # the drafts, on the device (first maximum on ties)
             fed = {}
             for n, i in enumerate(live):
-                drafts[i].append(tokens[n:n + 1])
+                drafts[i].append(picked[n:n + 1])
                 logits[i].append(out[n:n + 1])
                 hidden[i] = last[n:n + 1]
                 rows[i] = SeqStep(spec[i].request_id, [0], spec[i].start_pos + k, spec[i].block_tables)
-                fed[i] = (0, tokens[n:n + 1])
+                fed[i] = (0, picked[n:n + 1])
         verify = [s if not s.num_draft else
                   SeqStep(s.request_id, s.token_ids + [0] * s.num_draft, s.start_pos, s.block_tables,
                           prompt_len=s.prompt_len, all_logits=True) for s in seqs]

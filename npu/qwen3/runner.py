@@ -192,7 +192,7 @@ class Qwen3Runner(ModelRunner):
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     # -- step --------------------------------------------------------------------------------------
-    def prepare(self, batch: StepBatch) -> "StepLayout | None":
+    def prepare(self, batch: StepBatch) -> StepLayout | GraphStep | None:
         """The host half of a step: every index of the flat batch in one host tensor (None: nothing to run)."""
         if self.embed is None:
             raise RuntimeError("Qwen3Runner.execute before load_weights()/set_weights()")
@@ -206,10 +206,10 @@ class Qwen3Runner(ModelRunner):
         if not pool.is_contiguous():
             raise ValueError("the kv pool must be contiguous")
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
-        if self.graphs is not None and decode_only(batch) and self.graphs.bucket(len(batch.seqs)) is not None:
-            return GraphStep.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
-                                    self.graphs.bucket(len(batch.seqs)), self.graph_pages,  # type: ignore[arg-type]
-                                    self.scratch_page(KV, 0))
+        bucket = self.graphs.bucket(len(batch.seqs)) if self.graphs is not None and decode_only(batch) else None
+        if bucket is not None:
+            return GraphStep.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, bucket,
+                                   self.graph_pages, self.scratch_page(KV, 0))
         return StepLayout.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
                                  fused=self.fused_attention is not None, paged=self._paged(pool))
 
@@ -229,6 +229,8 @@ class Qwen3Runner(ModelRunner):
 
     def _run(self, meta: "StepMeta") -> torch.Tensor:
         """The layers over one step's device metadata: the logits of its sampled rows."""
+        embed, norm, lm_head = self.embed, self.norm, self.lm_head
+        assert embed is not None and norm is not None and lm_head is not None, "prepare checks the weights are in"
         pool = self.pools[KV]
         rows = pool.view(-1, self.num_kv_heads * self.head_dim)
         kv_rows = meta.write_rows[:, None] + self._row_offsets(pool)   # [layers, tokens, 2]: K row, V row
@@ -237,7 +239,7 @@ class Qwen3Runner(ModelRunner):
         n, nh, kvh, hd = meta.num_tokens, self.num_heads, self.num_kv_heads, self.head_dim
         half = kvh * hd
         norms = self.norms
-        x = F.embedding(meta.tokens, self.embed)         # the residual stream, updated in place from here
+        x = F.embedding(meta.tokens, embed)         # the residual stream, updated in place from here
         h = norms.rms_norm(x, self.layers[0].input_norm)
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
@@ -257,8 +259,9 @@ class Qwen3Runner(ModelRunner):
             x, mlp = x.index_select(0, meta.sample_index), mlp.index_select(0, meta.sample_index)
         if x.shape[0] == 0:
             return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
-        logits = self.lm_head(norms.add_rms_norm_(x, mlp, self.norm))
+        logits = lm_head(norms.add_rms_norm_(x, mlp, norm))
         if self.vocab_widths is not None:                # vocab-parallel head: every rank gets all the columns
+            assert self.tensor_parallel is not None, "prepare checks a tensor-parallel rank has its collectives"
             logits = self.tensor_parallel.all_gather_columns(logits, self.vocab_widths)
         return logits       # in the model's dtype: the sampler widens only what it reads (npu.sampler)
 
@@ -306,9 +309,11 @@ class Qwen3Runner(ModelRunner):
         parts = []                                     # attention output of rows 0..n-1, in order
         for d in meta.decodes:                         # decode rows come first in the flat batch
             if d.lengths is not None:                  # the CPU kernel reads the pages in place
+                assert self.paged_decode is not None and d.pages is not None, "StepMeta sets lengths with pages"
                 parts.append(self.paged_decode(q[d.first:d.first + d.count], self._planes(pool, li), d.pages,
                                                d.lengths, checked_longest=d.ctx))   # page ids checked in build
                 continue
+            assert d.planes is not None, "StepMeta gives gathered buckets their planes"
             kd, vd = self._gather(pool, li, d.planes, d.count)[:, :, :d.ctx].transpose(2, 3)  # [count, kvh, ctx, hd]
             qd = q[d.first:d.first + d.count].view(d.count, kvh, self.group_size, hd)  # GQA: heads as queries
             # reshape, not view: the output's memory layout is the kernel's choice (CUDA's fused kernels return
