@@ -43,7 +43,7 @@ class ApplianceClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
                  root_cert: str | Path | bytes | None = None, tls: bool = False, server_name: str | None = None,
                  max_message_bytes: int = 16 * 1024 * 1024):
-        options = [("grpc.max_send_message_length", max_message_bytes),
+        options: list[tuple[str, int | str]] = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
@@ -74,8 +74,8 @@ class ApplianceClient:
         finally:
             call.cancel()      # no-op once the stream completed
 
-    def complete(self, prompt: str | Sequence[int], **kw) -> tuple[list[int], str, RequestOutput]:
-        """Run one request to the end: (token ids, text, last delta)."""
+    def complete(self, prompt: str | Sequence[int], **kw) -> tuple[list[int], str, RequestOutput | None]:
+        """Run one request to the end: (token ids, text, last delta; None when the stream sent none)."""
         ids: list[int] = []
         text: list[str] = []
         last = None
@@ -180,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write("\n")
             if last is not None and last.usage is not None:
                 u = last.usage
-                print(f"[{last.finish_reason.value}: prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
+                reason = "unfinished" if last.finish_reason is None else last.finish_reason.value
+                print(f"[{reason}: prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
                       f"cached prompt {u.cached_prompt_tokens} tokens]", file=sys.stderr)
             if last is None or last.finish_reason in (None, FinishReason.ABORTED):
                 print("error: the server aborted the request before it finished (e.g. it is shutting down); "
