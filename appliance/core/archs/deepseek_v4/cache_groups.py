@@ -10,7 +10,7 @@ from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4
 from appliance.core.archs.hf_config import HfConfigError
 from appliance.core.kv_cache_spec import CacheGroupSpec, ring_blocks
 
-STATE_ROWS_PER_PAGE = 8                                            # compressor-state pages hold min(8, ratio) rows
+STATE_ROWS_PER_PAGE = 8       # compressor-state pages hold min(8, ratio) rows
 
 
 def cache_groups_for(layout: dict[str, Any]) -> list[dict[str, Any]]:

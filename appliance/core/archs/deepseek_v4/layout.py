@@ -14,6 +14,7 @@ MTP_WINDOW_GROUP = "mtp"
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 EXPERT_DTYPES = ("fp4", "fp8")
 
+
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV4Layout(Layout):
     """DeepSeek V4 as released: sliding-window attention with CSA / HCA compressed layers and an indexer, q-LoRA
@@ -46,7 +47,8 @@ class DeepseekV4Layout(Layout):
     hc_sinkhorn_iters: int = 20            # Sinkhorn iterations of the stream-mixing matrix
     hc_eps: float = 1e-6
     quant_block_size: int | None = None    # checkpoint linears FP8 e4m3 with [b, b] ue8m0 block scales; null: dtype
-    expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8, null: dtype
+    expert_dtype: str | None = None        # checkpoint routed experts: fp4 (e2m1, per-32 ue8m0 scales), fp8,
+                                           # null: dtype
 
     @property
     def main_layer_ratios(self) -> tuple[int, ...]:
