@@ -90,11 +90,12 @@ mutation-planner:
 mutation-spec:
 	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SPEC_TESTS)" $(MUTMUT) 'appliance.core.kv_cache_spec.*'
 mutation-qwen3:      # the paged indexing: block tables to rows, decode buckets, fused-step metadata
-	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(QWEN3_TESTS)" $(MUTMUT) 'npu.qwen3.xǁ_StepMetaǁbuild__*' \
-		'npu.qwen3.x_decode_buckets__*' 'npu.qwen3.x__fused_step__*' 'npu.qwen3.xǁQwen3Runnerǁ_gather__*' \
-		'npu.qwen3.xǁQwen3Runnerǁ_row_offsets__*'
+	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(QWEN3_TESTS)" $(MUTMUT) \
+		'npu.qwen3.step_layout.xǁStepLayoutǁbuild__*' 'npu.qwen3.step_layout.x_decode_buckets__*' \
+		'npu.qwen3.step_layout.x_fused_step__*' 'npu.qwen3.runner.xǁQwen3Runnerǁ_gather__*' \
+		'npu.qwen3.runner.xǁQwen3Runnerǁ_row_offsets__*'
 mutation-dsv4:       # DeepSeek V4's paged rows
-	MUTATION_TIMEOUT_S=180 MUTATION_TESTS="$(DSV4_TESTS)" $(MUTMUT) 'npu.dsv4.paging.*'
+	MUTATION_TIMEOUT_S=180 MUTATION_TESTS="$(DSV4_TESTS)" $(MUTMUT) 'npu.deepseek_v4.paging.*'
 
 clean:
 	rm -rf outputs multirun .pytest_cache build *.egg-info mutants

@@ -18,7 +18,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from appliance.config.compose import CONF_DIR, check_override_keys, compose_runtime_config
+from appliance.config.compose import compose_runtime_config
+from appliance.config.overrides import CONF_DIR, check_override_keys
 from appliance.config.schema import register_schema
 from appliance.core.errors import ConfigError, StartupError
 from appliance.core.logs import configure_logging

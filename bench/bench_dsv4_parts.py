@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from bench_step import Pages, fill_pools, load_avg, machine, pages_needed  # noqa: E402
 
-import npu.deepseek_v4 as runner_module  # noqa: E402
+import npu.deepseek_v4.runner as runner_module  # noqa: E402
 from appliance.config.compose import load_runtime_config  # noqa: E402
-from npu.dsv4 import hyper  # noqa: E402
+from npu.deepseek_v4 import hyper  # noqa: E402
 from npu.registry import build_runner  # noqa: E402
 from npu.step import SeqStep, StepBatch  # noqa: E402
 

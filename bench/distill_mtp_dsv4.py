@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.deepseek_v4 import DeepseekV4Runner
-from npu.dsv4.attention import rms_norm
-from npu.dsv4.hyper import hc_head, hc_post, hc_pre
-from npu.dsv4.paging import flat_order
+from npu.deepseek_v4.attention import rms_norm
+from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from npu.deepseek_v4.paging import flat_order
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from tests.support.checkpoints import save_checkpoint
 
 BASE = ["+model=dsv4_tiny", "device=cpu", "device.cpu_threads=1", "max_model_len=256", "max_num_batched_tokens=256"]

@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.config.compose import available_models, load_runtime_config  # noqa: E402
+from appliance.config.compose import load_runtime_config  # noqa: E402
+from appliance.config.overrides import available_models  # noqa: E402
 from tests.support.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 

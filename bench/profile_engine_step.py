@@ -9,7 +9,7 @@ over the decode steps (every scheduled sequence computes one token) and the mean
 wall time, split into exclusive categories:
 
     model            runner.execute minus its step metadata (the forward pass and the logits)
-    step metadata    the runner's per-step index tensors (npu.qwen3._StepMeta.build), when the runner has it
+    step metadata    the runner's per-step index tensors (npu.qwen3.step_layout.StepLayout.build), when the runner has it
     schedule         Scheduler.schedule (admission, chunking, page allocation)
     block tables     KvCacheManager.block_tables for every sequence of the step
     batch build      the rest of Engine._execute before the runner: SeqStep / StepBatch objects
@@ -100,10 +100,10 @@ def instrument(app: Appliance, timer: StepTimer) -> None:
     engine: Engine = app.engine
     runner, sched, kv = engine._runner, engine.scheduler, engine.kv_cache_manager
     runner.execute = timer.wrap("model", runner.execute)
-    meta_module = sys.modules.get(type(runner).__module__)
-    step_meta = getattr(meta_module, "_StepMeta", None)
-    if step_meta is not None:
-        step_meta.build = staticmethod(timer.wrap("step metadata", step_meta.build))
+    layout_module = sys.modules.get(type(runner).__module__.rpartition(".")[0] + ".step_layout")
+    step_layout = getattr(layout_module, "StepLayout", None)
+    if step_layout is not None:
+        step_layout.build = staticmethod(timer.wrap("step metadata", step_layout.build))
     schedule = timer.wrap("schedule", sched.schedule)
 
     def schedule_and_mark():

@@ -11,11 +11,11 @@ device current (set_device): the CUDA and NPU runtimes keep the current device p
 
     npu   Ascend through torch_npu (imported lazily; only this backend needs it)
     cuda  NVIDIA through torch.cuda
-    cpu   the host; total = device.memory_bytes_per_device or /proc/meminfo MemAvailable, and the peak
-          comes from AllocationTracker (below), because torch keeps no allocator statistics on CPU
+    cpu   the host; total = device.memory_bytes_per_device or /proc/meminfo MemAvailable (npu.host), and the
+          peak comes from AllocationTracker, because torch keeps no allocator statistics on CPU
 
 tests/support/fake_device.py has a scripted backend with NPU-sized numbers (tests); npu.cpu_memory has the
-allocation tracker that gives the CPU backend its peak.
+allocation tracker that gives the CPU backend its peak; npu.host reads the host's memory and chooses its threads.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from appliance.core.config import DeviceSettings
 from appliance.core.errors import StartupError
 from npu.cpu_malloc import keep_freed_memory
 from npu.cpu_memory import AllocationTracker
-from npu.cpu_threads import choose_cpu_threads, read_host_cpus
+from npu.host import MEMINFO, available_bytes, intra_op_threads
 
 log = logging.getLogger("npu.backends")
 
-MEMINFO = "/proc/meminfo"
 NPU_INSTALL_HINT = ("install the torch-npu package (pip install '.[npu]') on a host with the Ascend CANN toolkit "
                     "installed and sourced (set_env.sh)")
 
@@ -245,18 +244,6 @@ def _resolve_count(kind: str, wanted: int | None, visible: int, first: int = 0) 
 
 # -- cpu ----------------------------------------------------------------------------------------------
 
-def read_meminfo(path: str = MEMINFO) -> dict[str, int]:
-    """/proc/meminfo in bytes (the file states kB)."""
-    values: dict[str, int] = {}
-    with open(path) as fh:
-        for line in fh:
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                values[name.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return values
-
-
 class CpuBackend(Backend):
     """The host as one device. Peak is tracked by AllocationTracker inside `tracking()` windows."""
 
@@ -267,15 +254,7 @@ class CpuBackend(Backend):
         if count not in (None, 1):
             raise BackendUnavailableError(f"device.count={count}: the cpu backend has exactly one device")
         super().__init__(1)
-        if threads is None:                  # a server shares the host with its clients (and often more)
-            choice = choose_cpu_threads(read_host_cpus(), ranks_on_host)
-            left = (f"{choice.left_beside} of {choice.usable} usable cores left to" if choice.left_beside else
-                    f"all {choice.usable} usable cores taken, so the engine's threads share them with")
-            log.info("device.cpu_threads=null: %d intra-op thread%s (%s); %s the front ends and anything else this "
-                     "process runs (the event loop, tokenizing, detokenizing); set device.cpu_threads to choose",
-                     choice.threads, "" if choice.threads == 1 else "s", choice.reason, left)
-            threads = choice.threads
-        torch.set_num_threads(threads)
+        torch.set_num_threads(intra_op_threads(ranks_on_host) if threads is None else threads)
         keep_freed_memory()          # a step reuses the last step's pages instead of faulting in new ones
         self.memory_cap = memory_bytes_per_device
         self.meminfo_path = meminfo_path
@@ -286,16 +265,12 @@ class CpuBackend(Backend):
         self._indices(index)
         return torch.device("cpu")
 
-    def _available(self) -> int:
-        info = read_meminfo(self.meminfo_path)
-        if "MemAvailable" not in info:
-            raise BackendUnavailableError(f"{self.meminfo_path} has no MemAvailable line; "
-                                          "set device.memory_bytes_per_device")
-        return info["MemAvailable"]
-
     def memory(self, index: int = 0) -> MemoryStats:
         self._indices(index)
-        available = self._available()
+        available = available_bytes(self.meminfo_path)
+        if available is None:
+            raise BackendUnavailableError(f"{self.meminfo_path} has no MemAvailable line; "
+                                          "set device.memory_bytes_per_device")
         total = self.memory_cap if self.memory_cap is not None else available
         peak = self._tracker.peak_bytes if self._tracker is not None else self._last_peak
         return MemoryStats(total, min(total, available), peak)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from appliance.core.config import RuntimeConfig
 from appliance.core.parallel import RankPlace, place_of, world_size
@@ -93,6 +94,7 @@ class LocalRanks:
         self.procs = []
         for rank in range(1, world):
             proc = spawn([sys.executable, "-m", "npu.worker", str(rank), str(world), str(port), str(os.getpid())], env)
+            assert proc.stdin is not None, "spawn opens the rank's stdin as a pipe"
             proc.stdin.write(config)
             proc.stdin.close()
             self.procs.append(proc)
@@ -112,8 +114,8 @@ class LocalRanks:
     def died(self) -> str:
         """Which spawned rank has exited while serving ('' when all run), e.g. 'rank 1 (pid 42) died: killed by
         SIGKILL'. Polling reaps the exited process, so no zombie is left behind."""
-        return "; ".join(f"rank {rank} (pid {p.pid}) died: {exit_reason(p.poll())}"
-                         for rank, p in enumerate(self.procs, start=1) if p.poll() is not None)
+        gone = [(rank, p.pid, code) for rank, p in enumerate(self.procs, start=1) if (code := p.poll()) is not None]
+        return "; ".join(f"rank {rank} (pid {pid}) died: {exit_reason(code)}" for rank, pid, code in gone)
 
     def watch(self, on_death: Callable[[str], None], stopped: threading.Event) -> threading.Thread:
         """Call on_death(message) once, from a watcher thread (returned), as soon as a spawned rank dies (before
@@ -203,7 +205,9 @@ class DeviceGroup:
         self.liveness.step_begins()
         try:
             self.group.send(list(batches))
-            return run_step(self.runner, self.group, batches)
+            logits = run_step(self.runner, self.group, batches)
+            assert logits is not None, "rank 0 gathers the logits of every data-parallel rank"
+            return logits
         except Exception as exc:
             log.error("a step failed on rank 0 (%s: %s); the ranks can no longer step together",
                       type(exc).__name__, exc)
@@ -285,6 +289,7 @@ def start_ranks(rc: RuntimeConfig, backend: Backend, runner: ModelRunner) -> tup
     rdv = Rendezvous.from_environment()
     ranks: LocalRanks | None = None
     group: RankGroup | None = None
+    store: dist.Store
     try:
         if rdv is None:
             store = host_store(world, timeout)

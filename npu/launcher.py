@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
@@ -49,13 +48,12 @@ from appliance.core.planner import (
     DeviceMemory,
     InsufficientMemoryError,
     check_free_memory,
+    check_weights_fit,
     format_bytes,
-    kv_shortfall,
     least_kv_bytes,
     non_torch_margin,
     plan_for_config,
     slots_that_fit,
-    usable_bytes,
 )
 from appliance.core.startup_report import StartupReport
 from appliance.core.step_limits import StepLimits, step_limits, worst_steps
@@ -252,50 +250,25 @@ def allocate(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, plan: Cap
             plan = plan_for_config(rc, devices, num_slots_override=slots)
 
 
-def check_weights_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | None = None) -> None:
-    """Fail at once, before any weight is materialized, when a device cannot hold its rank's shard at all.
-
-    Each device needs its rank's shard of the weights plus the least KV cache the planner accepts
-    (decode_batch scratch pages and one capacity slot, at the rank's page bytes) within total x
-    npu_memory_utilization. The shard is estimated from model.layout by the estimate mode=plan uses
-    (appliance.core.estimate: the architecture's description of what a rank loads). Activations are not
-    guessed here: the profiling step measures them right after loading (mode=plan's
-    plan.activation_allowance_bytes, sized for NPU-scale models, would refuse the embedded tiny model on its
-    1 GiB CPU budget).
-    """
+def check_backend_fit(rc: RuntimeConfig, backend: Backend, place: RankPlace | None = None) -> None:
+    """planner.check_weights_fit on the backend's devices, before any weight is materialized: each needs its rank's
+    shard of the weights (estimated from model.layout as mode=plan estimates it) plus the least KV cache the planner
+    accepts, within total x npu_memory_utilization."""
     place = place or RankPlace.single()
     specs = rank_cache_groups(rc.model, place)
     weights = estimate_peak_non_kv(rc.model, place, rc.plan.activation_allowance_bytes).weight_bytes_per_device
+    kv_floor = least_kv_bytes(specs, rc.decode_batch)
+    log.info("%s needs at least %s per device before loading: estimated weights %s (from model.layout) + "
+             "scratch pages and one slot of KV cache %s", rc.model.name, format_bytes(weights + kv_floor),
+             format_bytes(weights), format_bytes(kv_floor))
     shard = ("a full copy on each device" if place.world == 1 else
              f"rank {place.rank}'s shard: {place.describe()}")
-    kv_floor = least_kv_bytes(specs, rc.decode_batch)
-    need = weights + kv_floor
-    u = rc.npu_memory_utilization
-    log.info("%s needs at least %s per device before loading: estimated weights %s (from model.layout) + "
-             "scratch pages and one slot of KV cache %s", rc.model.name, format_bytes(need), format_bytes(weights),
-             format_bytes(kv_floor))
-    for i in range(backend.count):
-        total = backend.memory(i).total_bytes
-        usable = usable_bytes(total, u)
-        shortfall = kv_shortfall(usable - weights, specs, rc.decode_batch)
-        if not shortfall:
-            continue
-        fallback = (f" (device=auto found no NPU or GPU and fell back to the host CPU with a budget of "
-                    f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
-                    if rc.device.kind == "auto" and backend.kind == "cpu" else "")
-        raise InsufficientMemoryError(
-            f"{rc.model.name} does not fit on device {rank_device_name(backend, i, place)}{fallback}; nothing was "
-            f"loaded:\n"
-            f"  total x npu_memory_utilization  {format_bytes(total)} x {u} = {format_bytes(usable)}\n"
-            f"  estimated weights               {format_bytes(weights)} (from model.layout, as mode=plan "
-            f"estimates them; {shard})\n"
-            f"  least KV cache                  {format_bytes(kv_floor)} ({rc.decode_batch} scratch pages + one "
-            f"slot at max_model_len {rc.max_model_len})\n"
-            f"  shortfall                       {format_bytes(shortfall)}\n"
-            f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / u))} each (device=npu, "
-            f"device=cuda), spread it over more devices (device.count and parallel.*: smaller shards), plan the "
-            f"deployment offline first with the same overrides plus mode=plan device=ascend_a3, or pick a smaller "
-            f"model (e.g. +model=dsv4_tiny)")
+    fallback = (f" (device=auto found no NPU or GPU and fell back to the host CPU with a budget of "
+                f"device.cpu_memory_bytes={rc.device.cpu_memory_bytes})"
+                if rc.device.kind == "auto" and backend.kind == "cpu" else "")
+    devices = [(rank_device_name(backend, i, place), backend.memory(i).total_bytes) for i in range(backend.count)]
+    check_weights_fit(devices, weights, specs, model_name=rc.model.name, utilization=rc.npu_memory_utilization,
+                      decode_batch=rc.decode_batch, max_model_len=rc.max_model_len, shard=shard, fallback=fallback)
 
 
 def rank_device_name(backend: Backend, index: int, place: RankPlace) -> str:
@@ -311,14 +284,14 @@ def open_backend(rc: RuntimeConfig, place: RankPlace | None = None, local_index:
     place = place or RankPlace.single()
     device = rc.device if place.world == 1 else dataclasses.replace(rc.device, count=1)
     backend = select_backend(device, local_index, ranks_on_host=place.world)
-    check_weights_fit(rc, backend, place)
+    check_backend_fit(rc, backend, place)
     return backend
 
 
 def prepare_rank(rc: RuntimeConfig, place: RankPlace | None = None, local_index: int = 0
                  ) -> tuple[Backend, ModelRunner]:
     """The device plane's checks before anything is loaded, for one rank: its backend (whose device can hold its
-    shard: check_weights_fit), the runner of its shard without weights, and the checkpoint's tensor names and
+    shard: check_backend_fit), the runner of its shard without weights, and the checkpoint's tensor names and
     shapes against what the runner expects (headers only)."""
     place = place or RankPlace.single()
     backend = open_backend(rc, place, local_index)

@@ -76,4 +76,5 @@ class Projection:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_packed, None, "none", [], "")
         if self.mkl_packed is not None and x.shape[0] in MKL_ROWS:
             return torch.ops.mkl._mkl_linear(x, self.mkl_packed, self.weight, None, x.shape[0])
+        assert self.weight is not None, "a projection holds its weight unless oneDNN packed it"
         return F.linear(x, self.weight)

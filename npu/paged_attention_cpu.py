@@ -42,7 +42,7 @@ class PagedDecodeAttention:
         Everything the kernel would index with is checked first (two reductions, a few microseconds): a bad
         page id or length is a ValueError here, never a read outside the pool. A caller that has range-checked
         this step's page ids and lengths itself passes the longest length as `checked_longest` and skips that
-        (the Qwen3 runner checks once per step in _StepMeta.build, then calls once per layer)."""
+        (the Qwen3 runner checks once per step in StepLayout.build, then calls once per layer)."""
         rows, width = pages.shape
         if (query.dtype != self.dtype or planes.dtype != self.dtype or not planes.is_contiguous()
                 or planes.shape[1:] != (self.block_size, self.num_kv_heads * self.head_dim)

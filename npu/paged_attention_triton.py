@@ -9,7 +9,7 @@ One program per (row, kv head): it loads the row's query heads of that kv head (
 kv head's K and V), then for each page up to the row's length loads the page's K plane [block, head_dim] straight
 from the pool, scores it (float32), keeps a running max and sum (online softmax, as FlashAttention and vLLM's
 paged attention do), and accumulates the page's V plane; padding past a row's length is never read. The pool is
-npu/qwen3.py's: one layer as [2 x pages, block, kv_heads x head_dim], page p's K plane at 2p, its V plane at 2p + 1.
+npu/qwen3/runner.py's: one layer as [2 x pages, block, kv_heads x head_dim], page p's K plane at 2p, its V plane at 2p + 1.
 
 Where it applies (triton_decode_attention): a CUDA device with Triton importable, float16 / bfloat16 / float32,
 a block size and head_dim that are powers of two of at least 16 (tl.arange, tl.dot). Tests run it under TRITON_INTERPRET=1 on the CPU

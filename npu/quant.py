@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.core.archs.deepseek_v4_weights import FP4_BLOCK
+from appliance.core.archs.deepseek_v4.weights import FP4_BLOCK
 from appliance.core.errors import CheckpointError
 
 FP8_MAX = 448.0        # largest finite e4m3 value

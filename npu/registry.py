@@ -12,8 +12,8 @@ import torch
 from appliance.core.archs import architecture
 from appliance.core.config import ModelSpec
 from appliance.core.parallel import RankPlace
-from npu.deepseek_v4 import DeepseekV4Runner
-from npu.qwen3 import Qwen3Runner
+from npu.deepseek_v4.runner import DeepseekV4Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.runner import ModelRunner
 
 RUNNERS: dict[str, type[ModelRunner]] = {

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, Node, OmegaConf
 
 from appliance.config import schema
+from appliance.config.plain import plain_dict
 from appliance.core import bounded_json
 from appliance.core.archs import architecture_for_hf, hf_config
 from appliance.core.archs.hf_config import HfConfigError, values_agree
@@ -30,7 +31,9 @@ def _unset(node: DictConfig, key: str) -> bool:
     """Still the placeholder (or ???): the composer fills it."""
     if OmegaConf.is_missing(node, key):
         return True
-    return OmegaConf.is_interpolation(node, key) and node._get_node(key)._value() == schema.CONFIG_JSON_PLACEHOLDER
+    child = node._get_node(key)
+    return (OmegaConf.is_interpolation(node, key) and isinstance(child, Node)
+            and child._value() == schema.CONFIG_JSON_PLACEHOLDER)
 
 
 def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
@@ -46,12 +49,15 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
         cfg = hf_config.config_object(bounded_json.loads(path.read_text()))
         hf_config.check_kind("architectures", cfg.get("architectures"), list[str] | None)
         arch = architecture_for_hf(cfg.get("architectures") or [])
+        read_layout, groups_for = arch.layout_from_hf_config, arch.cache_groups_for
+        if read_layout is None or groups_for is None:
+            raise HfConfigError("architectures", f"arch {arch.name} is not served from a checkpoint directory")
         hf_config.check_value_kinds(cfg, arch.config_keys, arch.hf_value_kinds, arch.layout)
         if hf_config.identity_issue(cfg, arch.hf_architectures, arch.hf_model_types):
             raise HfConfigError("model_type", f"{json.dumps(cfg['model_type'])} disagrees with architectures="
                                               f"{cfg['architectures']} (model_type of {arch.name}: "
                                               f"{' or '.join(arch.hf_model_types)})")
-        hf = arch.layout_from_hf_config(cfg)
+        hf = read_layout(cfg)
         hf_config.check_layout_kinds(hf, arch.layout)
     except (OSError, UnicodeDecodeError) as exc:
         return [ConfigIssue("model.weights", model.weights, f"{path} is not readable: {exc}")]
@@ -88,7 +94,7 @@ def fill_from_checkpoint(model: DictConfig) -> list[ConfigIssue]:
         return issues
     if not model.cache_groups:
         try:
-            groups = arch.cache_groups_for(OmegaConf.to_container(lay))
+            groups = groups_for(plain_dict(lay, resolve=False))
             model.cache_groups = [OmegaConf.merge(OmegaConf.structured(schema.schema_class(CacheGroupSettings)), g) for g in groups]
         except HfConfigError as exc:
             return [ConfigIssue("model.weights", model.weights, f"{path}: {exc}")]

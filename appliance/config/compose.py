@@ -9,8 +9,6 @@ registry (appliance.core.archs).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import ipaddress
 import typing
 from pathlib import Path
@@ -21,9 +19,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from appliance.config import schema
 from appliance.config.checkpoint_model import fill_from_checkpoint
-from appliance.config.schema_keys import schema_key_issue, unknown_key_issues
+from appliance.config.overrides import CONF_DIR, available_models, check_override_keys
+from appliance.config.plain import plain_dict
+from appliance.config.schema_keys import unknown_key_issues
 from appliance.core.archs import ARCHITECTURES, architecture, resolve_model_parallel
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout, mtp_window_group
+from appliance.core.archs.deepseek_v4.cache_groups import mtp_window_group
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
 from appliance.core.cache_groups import derive_cache_groups
 from appliance.core.checks import Checker, declared_rule_issues
 from appliance.core.config import Layout, ModelSpec, RuntimeConfig, freeze
@@ -32,104 +33,8 @@ from appliance.core.kv_cache_spec import CacheGroupSettings, CacheGroupSpec
 from appliance.core.logs import FORMATS, LEVELS
 from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 MODES = ("serve", "plan", "bench", "validate")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
-
-
-def config_groups() -> set[str]:
-    """The config groups of conf/ (model, device, server, sweep): `group=option` selects a file, not a key."""
-    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-
-
-def check_override_keys(overrides: list[str], runtime_type: type = RuntimeConfig) -> None:
-    """Every override's key must be one the schema defines, before Hydra composes (ConfigError naming the
-    closest valid key); a group choice must name a file of conf/<group>/, with `+` exactly for the groups that are
-    not in the defaults list (+model=, +sweep=); a model.* key needs a +model= on the same line.
-
-    Hydra's own settings (hydra.*, hydra/...) and overrides Hydra cannot parse are left to Hydra.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return                                   # Hydra reports a malformed override itself
-    groups = config_groups()
-    chosen = {o.key_or_group for o in parsed if o.key_or_group in groups and not o.is_delete()}
-    issues = []
-    for o in parsed:
-        key = o.key_or_group
-        if o.is_hydra_override() or o.package is not None or "/" in key:
-            continue
-        if key in groups:
-            issues += group_choice_issues(o)
-            continue
-        if key.partition(".")[0] == "model" and "model" not in chosen:
-            issues.append(model_key_without_model_issue(o, parsed))
-            continue
-        value = (o.input_line or "").partition("=")[2] if o.is_sweep_override() else o.value()
-        issue = schema_key_issue(key, value, runtime_type)
-        if issue is None and o.is_add():
-            issue = ConfigIssue(f"+{key}", value, f"'+' adds a key, and {key} already exists: write {key}={value} "
-                                                  f"('+' is only for the groups +model= and +sweep=)")
-        if issue is not None:
-            issues.append(issue)
-    if issues:
-        raise ConfigError(issues)
-
-
-@functools.cache
-def defaults_list_groups() -> frozenset[str]:
-    """The groups conf/config.yaml's defaults list selects (device, server): chosen as group=option, no '+'."""
-    entries = OmegaConf.load(CONF_DIR / "config.yaml").defaults
-    return frozenset(k for e in entries if isinstance(e, DictConfig) for k in e if " " not in k)
-
-
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def group_choice_issues(o: Any) -> list[ConfigIssue]:
-    """A group override that Hydra would refuse with its search path: an option with no YAML file (the closest
-    one suggested), '+' on a group of the defaults list, or no '+' on a group outside it (model, sweep)."""
-    group = o.key_or_group
-    if o.is_delete():
-        return []
-    plus = "++" if o.is_force_add() else "+" if o.is_add() else ""
-    values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
-    in_defaults = group in defaults_list_groups()
-    if plus == "+" and in_defaults:
-        return [ConfigIssue(f"+{group}", values[0], f"'+' only selects the groups outside the defaults list "
-                                                    f"(+model=, +sweep=): write {group}={values[0]}")]
-    if not plus and not in_defaults:
-        return [ConfigIssue(group, values[0], f"the {group} group is not in the defaults list: select it with a "
-                                              f"leading '+', +{group}={values[0]}")]
-    options = group_options(group)
-    issues = []
-    for value in values:
-        if str(value) not in options:
-            close = difflib.get_close_matches(str(value), options, n=1)
-            hint = f"did you mean {plus}{group}={close[0]}? " if close else ""
-            issues.append(ConfigIssue(f"{plus}{group}", value, f"no such {group} (conf/{group}/{value}.yaml); "
-                                                               f"{hint}the {group} options are: {', '.join(options)}"))
-    return issues
-
-
-def model_key_without_model_issue(o: Any, parsed: list[Any]) -> ConfigIssue:
-    """A model.* key given with no +model=: the embedded default is loaded only after the command line, so there is
-    no model to set it on yet (Hydra would fail with an OmegaConf traceback); say which selection the key needs."""
-    line = (o.input_line or "").lstrip("+")
-    default = next((str(p.value()) for p in parsed if p.key_or_group == "default_model"), None) \
-        or OmegaConf.load(CONF_DIR / "config.yaml").default_model
-    fix = f"+model={default} {line} (the embedded default)"
-    if o.key_or_group == "model.weights":
-        fix = (f"+model=hf {line} (a checkpoint directory, its layout read from config.json), or "
-               f"+model={default} {line} (the embedded default's layout)")
-    value = line.partition("=")[2] if o.is_sweep_override() else o.value()
-    return ConfigIssue(o.key_or_group, value, f"select a model first: +model=NAME ({', '.join(available_models())}), "
-                                              f"e.g. {fix}")
 
 
 def compose(overrides: list[str] | None = None, runtime_type: type = RuntimeConfig) -> DictConfig:
@@ -153,10 +58,6 @@ def load_runtime_config(overrides: list[str] | None = None,
     return compose_runtime_config(compose(overrides, runtime_type), runtime_type)
 
 
-def available_models() -> list[str]:
-    return group_options("model")
-
-
 def load_model_config(name: str) -> DictConfig:
     """A model group option from conf/model/, typed against the schema (used for the embedded default)."""
     path = CONF_DIR / "model" / f"{name}.yaml"
@@ -164,9 +65,11 @@ def load_model_config(name: str) -> DictConfig:
         raise ConfigError([ConfigIssue("default_model", name, f"must be one of {available_models()}")])
     base = OmegaConf.structured(schema.schema_class(ModelSpec))
     try:
-        return OmegaConf.merge(base, OmegaConf.load(path))
+        merged = OmegaConf.merge(base, OmegaConf.load(path))
     except OmegaConfBaseException as exc:
         raise ConfigError([ConfigIssue(f"model.{exc.full_key}", None, str(exc.msg))]) from None
+    assert isinstance(merged, DictConfig), "a structured mapping merged with a mapping is a mapping"
+    return merged
 
 
 def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
@@ -188,7 +91,7 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
     if checker.issues:
         raise ConfigError(checker.issues)       # a typo'd key leaves its real key at the default: say so first
     layout = _freeze_layout(checker, cfg.model)
-    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    plain = {k: v for k, v in plain_dict(cfg).items() if k != "hydra"}
     checker.issues += declared_rule_issues(runtime_type, plain)   # each rule declared with its setting
     _check_top_level(checker, cfg, layout)
     auth_token = _check_auth_token(checker, cfg.server)
@@ -204,6 +107,7 @@ def compose_runtime_config(cfg: DictConfig, runtime_type: type[RuntimeConfig] = 
             groups += (mtp_window_group(groups[0], layout, cfg.speculative.num_tokens),)
     if checker.issues:
         raise ConfigError(checker.issues)
+    assert layout is not None, "no layout comes with an issue naming why"
     spec = freeze(ModelSpec, {**model, "layout": layout, "cache_groups": groups})
     arch_issues = architecture(spec.arch).validate(spec)
     parallel, parallel_issues = resolve_model_parallel(spec, freeze(field_type(runtime_type, "parallel"),
@@ -252,7 +156,7 @@ def _freeze_layout(c: Checker, model: DictConfig) -> Layout | None:
         return None                              # _check_layout names model.arch
     node = model.layout
     own = {f.name: f for f in dataclasses.fields(arch.layout)}
-    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not OmegaConf.is_missing(node, k)}
+    given = {k: v for k, v in plain_dict(node).items() if not OmegaConf.is_missing(node, k)}
     for key in given:
         if key not in own:
             c.fail(f"model.layout.{key}", given[key], f"not a key of arch {arch.name}'s layout "

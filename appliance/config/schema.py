@@ -73,7 +73,8 @@ def _schema_default(f: dataclasses.Field[Any], tp: Any) -> Any:
             return field(default_factory=lambda: type(value)(value))
         return field(default=value)
     made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-    if made is not None and not (dataclasses.is_dataclass(made) and made == type(made)()):
+    at_own_defaults = dataclasses.is_dataclass(made) and not isinstance(made, type) and made == type(made)()
+    if made is not None and not at_own_defaults:
         raise TypeError(f"{f.name}: a default_factory is derived only for a section at its own defaults; "
                         f"give a plain default")
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):      # a section: its fields' own defaults

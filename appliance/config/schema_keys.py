@@ -16,8 +16,9 @@ import typing
 from functools import cache
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from appliance.config.plain import plain_dict
 from appliance.config.schema import appliance_schema
 from appliance.core.config import RuntimeConfig
 from appliance.core.errors import ConfigIssue
@@ -43,7 +44,7 @@ def _child(tp: Any, key: str) -> Any:
     tp = _unwrap_optional(tp)
     if tp is Any or tp is FREE:
         return FREE
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _fields(tp).get(key)
     origin = typing.get_origin(tp)
     if origin in (list, tuple):
@@ -56,7 +57,7 @@ def _child(tp: Any, key: str) -> Any:
 def _all_paths(tp: Any, prefix: str = "") -> list[str]:
     """Every key path the schema defines (list items as `.0`), for suggestions across levels."""
     tp = _unwrap_optional(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         out = []
         for name, sub in _fields(tp).items():
             path = f"{prefix}{name}"
@@ -112,6 +113,6 @@ def unknown_key_issues(cfg: DictConfig, runtime_type: type = RuntimeConfig) -> l
             else:
                 walk(value, path + ".")
 
-    plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    plain = plain_dict(cfg, resolve=False)
     walk({k: v for k, v in plain.items() if k != HYDRA_KEY}, "")
     return issues

@@ -21,6 +21,7 @@ mode=plan alike, so both subtract the same figure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -137,6 +138,39 @@ def kv_shortfall(budget_bytes: int, specs: Sequence[CacheGroupSpec], decode_batc
     """Bytes a KV budget lacks for the least KV cache (0 when it fits): the one fit check, made before loading
     (budget: usable - estimated weights) and when planning (budget: usable - measured peak - margin)."""
     return max(0, least_kv_bytes(specs, decode_batch) - budget_bytes)
+
+
+def check_weights_fit(devices: Sequence[tuple[str, int]], weight_bytes: int, specs: Sequence[CacheGroupSpec], *,
+                      model_name: str, utilization: float, decode_batch: int, max_model_len: int, shard: str,
+                      fallback: str = "") -> None:
+    """Fail before any weight is materialized when a device (name, total bytes) cannot hold its rank's shard at all:
+
+        usable    = total x utilization                                  (usable_bytes)
+        shortfall = weight_bytes + scratch + one slot - usable           (kv_shortfall of usable - weight_bytes)
+
+    weight_bytes is the rank's shard as mode=plan estimates it (appliance.core.estimate); `shard` says which shard
+    that is, `fallback` why this device was chosen when device=auto fell back. Activations are not guessed here: the
+    profiling step measures them right after loading (mode=plan's activation allowance, sized for NPU-scale models,
+    would refuse the embedded tiny model on its 1 GiB CPU budget)."""
+    least_kv = least_kv_bytes(specs, decode_batch)
+    need = weight_bytes + least_kv
+    for name, total in devices:
+        usable = usable_bytes(total, utilization)
+        shortfall = kv_shortfall(usable - weight_bytes, specs, decode_batch)
+        if not shortfall:
+            continue
+        raise InsufficientMemoryError(
+            f"{model_name} does not fit on device {name}{fallback}; nothing was loaded:\n"
+            f"  total x npu_memory_utilization  {format_bytes(total)} x {utilization} = {format_bytes(usable)}\n"
+            f"  estimated weights               {format_bytes(weight_bytes)} (from model.layout, as mode=plan "
+            f"estimates them; {shard})\n"
+            f"  least KV cache                  {format_bytes(least_kv)} ({decode_batch} scratch pages + one "
+            f"slot at max_model_len {max_model_len})\n"
+            f"  shortfall                       {format_bytes(shortfall)}\n"
+            f"Fix: serve it on devices with at least {format_bytes(math.ceil(need / utilization))} each (device=npu, "
+            f"device=cuda), spread it over more devices (device.count and parallel.*: smaller shards), plan the "
+            f"deployment offline first with the same overrides plus mode=plan device=ascend_a3, or pick a smaller "
+            f"model (e.g. +model=dsv4_tiny)")
 
 
 def check_free_memory(devices: Sequence[DeviceMemory], utilization: float) -> None:

@@ -4,7 +4,7 @@ A cached page is reused by a request whose prompt starts with the same tokens. F
 contents depend on those tokens alone. DeepSeek V4's lightning indexer is the exception: from its first top-k
 choice on (position (index_topk + 1) x CSA ratio - 1, where a query sees more compressed rows than it picks),
 rows that score exactly alike (every indexer head's relu 0) are picked as transformers picks them, by torch.topk
-over a row as long as the prompt (npu/dsv4/attention.py). So a page past that position, computed for a prompt of
+over a row as long as the prompt (npu/deepseek_v4/attention.py). So a page past that position, computed for a prompt of
 another length, may hold what another tie rule made: reusing it can change greedy tokens against transformers.
 Such ties are common with few indexer heads and practically absent with the released 64.
 

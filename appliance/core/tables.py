@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from appliance.core.archs.deepseek_v4_weights import ParameterCounts
+from appliance.core.archs.parameter_counts import ParameterCounts
 from appliance.core.kv_cache_spec import CacheGroupSpec, bytes_per_slot, scratch_bytes
 from appliance.core.planner import CapacityPlan
 from appliance.core.units import human_bytes

@@ -29,7 +29,9 @@ BENCH_PANELS = (("output_tokens_per_s", "output throughput (tokens/s)", 1.0),
                 ("tpot_p50_s", "time per output token, p50 (ms)", 1000.0))
 
 
-def as_float(v: str) -> float | None:
+def as_float(v: str | None) -> float | None:
+    if v is None:
+        return None
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -83,7 +85,8 @@ def plot_sweep(rows: Sequence[SweepRow], path: Path, *, x_key: str | None = None
     combos = list(dict.fromkeys(tuple(r.overrides.get(k, "") for k in others) for r in rows))
     first_values = list(dict.fromkeys(c[0] for c in combos)) if others else [""]
     tails = list(dict.fromkeys(c[1:] for c in combos))
-    colors = plt.get_cmap("tab10").colors
+    cmap = plt.get_cmap("tab10")
+    colors = [cmap(i) for i in range(cmap.N)]          # an int picks the colormap's i-th color itself
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ("-", "v"), ("--", "P"), (":", "X")]
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.8), squeeze=False)

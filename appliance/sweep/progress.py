@@ -98,11 +98,13 @@ def count_jobs(config: Any) -> int | None:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
+        from appliance.config.plain import plain_dict, plain_list
+
         if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
             return None
-        params = OmegaConf.to_container(config.hydra.sweeper.params) if config.hydra.sweeper.get("params") else {}
-        args = [f"{k}={v}" for k, v in (params or {}).items()]
-        args += list(OmegaConf.to_container(config.hydra.overrides.task))
+        params = plain_dict(config.hydra.sweeper.params, resolve=False) if config.hydra.sweeper.get("params") else {}
+        args = [f"{k}={v}" for k, v in params.items()]
+        args += [str(o) for o in plain_list(config.hydra.overrides.task)]
         parsed = OverridesParser.create().parse_overrides(args)
         return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
     except Exception:  # noqa: BLE001 - a glob sweep or another sweeper: progress then shows k/?
@@ -111,11 +113,11 @@ def count_jobs(config: Any) -> int | None:
 
 def constant_overrides(config: Any) -> list[str]:
     """Command-line overrides that are the same for every job (not worth repeating on progress lines)."""
-    from omegaconf import OmegaConf
-    task = [str(o) for o in OmegaConf.to_container(config.hydra.overrides.task)]
+    from appliance.config.plain import plain_list
+    task = [str(o) for o in plain_list(config.hydra.overrides.task)]
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         parsed = OverridesParser.create().parse_overrides(task)
-        return [o.input_line for o in parsed if not o.is_sweep_override()]
+        return [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
     except Exception:  # noqa: BLE001 - unparsable here (e.g. a glob over groups): show everything
         return []

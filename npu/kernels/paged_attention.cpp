@@ -1,6 +1,6 @@
 // Decode attention over a paged KV cache, reading K and V pages in place (no gather), for CPU runners.
 //
-// Layout (npu/qwen3.py): one layer's pool is [2 * pages, block_size, kv_heads * head_dim]; page p's K plane
+// Layout (npu/qwen3/runner.py): one layer's pool is [2 * pages, block_size, kv_heads * head_dim]; page p's K plane
 // is block 2p and its V plane block 2p + 1. Row r (one query token of one sequence) attends to the first
 // lengths[r] tokens of its pages pages[r * width ...]. Queries are [rows, heads, head_dim]; a kv head serves
 // heads / kv_heads query heads (GQA). Scores, softmax and sums are float32 for bf16 and fp32 alike.

@@ -4,7 +4,8 @@ comes with '+', '++' or neither, at any depth; '+' only selects the groups that 
 import pytest
 from omegaconf import open_dict
 
-from appliance.config.compose import check_override_keys, compose, compose_runtime_config, load_runtime_config
+from appliance.config.compose import compose, compose_runtime_config, load_runtime_config
+from appliance.config.overrides import check_override_keys
 from appliance.config.schema_keys import schema_key_issue
 from appliance.core.errors import ConfigError
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.config.compose import CONF_DIR, load_runtime_config
+from appliance.config.compose import load_runtime_config
+from appliance.config.overrides import CONF_DIR
 from appliance.core.errors import ConfigError
 from appliance.core.secrets import AUTH_TOKEN_ENV, REDACTED, redact
 

@@ -3,8 +3,8 @@ CacheGroupSpecs, every fault a ConfigIssue with its key path."""
 
 import math
 
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
-from appliance.core.archs.qwen3 import Qwen3Layout
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
+from appliance.core.archs.qwen3.layout import Qwen3Layout
 from appliance.core.cache_groups import derive_cache_groups
 from appliance.core.checks import Checker
 from appliance.core.kv_cache_spec import CacheGroupSettings, RowSettings

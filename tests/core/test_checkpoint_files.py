@@ -12,7 +12,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.checkpoint_files import check_checkpoint_files, read_tensor_headers
 from appliance.core.errors import CheckpointError, StartupError, TokenizerError
 from appliance.core.tokenizer import load_tokenizer_for
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from tests.support.checkpoints import write_tiny_checkpoint
 
 

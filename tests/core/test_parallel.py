@@ -6,8 +6,8 @@ import math
 import pytest
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs import qwen3
-from appliance.core.archs.deepseek_v4_weights import parameter_counts
+from appliance.core.archs.deepseek_v4.weights import parameter_counts
+from appliance.core.archs.qwen3 import tensor_parallel as qwen3
 from appliance.core.errors import ConfigError
 from appliance.core.estimate import rank_weight_bytes
 from appliance.core.parallel import RankPlace, rank_places, split

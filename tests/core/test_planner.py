@@ -6,7 +6,7 @@ import pytest
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.kv_cache_spec import bytes_per_slot, scratch_bytes
-from appliance.core.planner import DeviceMemory, InsufficientMemoryError, plan_capacity
+from appliance.core.planner import DeviceMemory, InsufficientMemoryError, check_weights_fit, plan_capacity
 from appliance.modes.plan import make_plan
 
 GiB = 1 << 30
@@ -190,3 +190,19 @@ def test_slots_that_fit_after_a_failed_allocation(dsv4_8k):
     # A report that cannot explain the failure (the plan would fit): give back a fraction, not one slot.
     assert slots_that_fit(p, devs, [64 * GiB] * 2, [held, held]) == (
         p.capacity_slots - p.capacity_slots // UNEXPLAINED_FAILURE_SHRINK)
+
+
+def test_weights_fit_is_weights_plus_scratch_plus_one_slot_within_total_times_utilization():
+    """planner.check_weights_fit, the fit before loading, on numbers alone: the boundary is exact to the byte and the
+    error names the device, every figure and a fix."""
+    specs = load_runtime_config(["+model=qwen3_tiny"]).model.cache_groups
+    least = scratch_bytes(specs, 2) + bytes_per_slot(specs)
+    weights, u = 10_000_000, 0.5
+    total = 2 * (weights + least)
+    args = dict(model_name="m", utilization=u, decode_batch=2, max_model_len=64, shard="a full copy on each device")
+    check_weights_fit([("cpu", total)], weights, specs, **args)
+    with pytest.raises(InsufficientMemoryError) as err:
+        check_weights_fit([("npu:0", total), ("npu:1", total - 2)], weights, specs, **args, fallback=" (why)")
+    msg = str(err.value)
+    assert msg.startswith("m does not fit on device npu:1 (why); nothing was loaded")
+    assert f"{total - 2:,} B" in msg and "shortfall                       1 B" in msg and "Fix:" in msg

@@ -190,7 +190,7 @@ def test_paged_decode_kernel_on_the_gpu_equals_attention_over_gathered_pages(dty
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="recorded graphs need a GPU")
 def test_recorded_decode_graphs_give_the_eager_steps_logits():
-    from npu.qwen3 import Qwen3Runner
+    from npu.qwen3.runner import Qwen3Runner
     from npu.step import SeqStep, StepBatch
     model = load_runtime_config(["+model=qwen3_tiny"]).model
     runners = []

@@ -18,7 +18,7 @@ import torch
 
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
-from npu.deepseek_v4 import DeepseekV4Runner
+from npu.deepseek_v4.runner import DeepseekV4Runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -232,12 +232,12 @@ def test_catch_up_rows_read_the_committed_tokens_also_when_they_were_drafts(monk
     """A verify step's MTP catch-up writes rows for the tokens committed since the last drafting, most of them
     accepted drafts whose values only the device holds (fed, never read on the host): each row must get the token
     the sequence really has at the next position."""
-    import npu.deepseek_v4
+    import npu.deepseek_v4.runner
     batch = prompts(3, 5, 40, seed=21)
     expected = reference(batch)
     scripted_drafter(batch, expected)
     catch_ups: list = []
-    real = npu.deepseek_v4.catch_up_rows
+    real = npu.deepseek_v4.runner.catch_up_rows
 
     def spy(history, start, first_token):
         found = real(history, start, first_token)
@@ -249,7 +249,7 @@ def test_catch_up_rows_read_the_committed_tokens_also_when_they_were_drafts(monk
             catch_ups.append((found.first, tokens, found.fed is not None))
         return found
 
-    monkeypatch.setattr(npu.deepseek_v4, "catch_up_rows", spy)
+    monkeypatch.setattr(npu.deepseek_v4.runner, "catch_up_rows", spy)
     with Appliance.from_config(BASE + speculative(3)) as app:
         app.generate(batch, GREEDY)
     sequences = [p + out for p, out in zip(batch, expected)]

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from appliance.config.compose import available_models, load_runtime_config
+from appliance.config.compose import load_runtime_config
+from appliance.config.overrides import available_models
 from appliance.core.tables import capacity_plan_table
 from appliance.core.units import human_bytes
 from appliance.modes.plan import make_plan

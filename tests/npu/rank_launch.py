@@ -22,7 +22,7 @@ from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of
 from appliance.serve.convert import startup_response
 from npu.launcher import launch
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store, leave_process
 from tests.support.fake_device import FakeBackend, FakeMemoryProbe
 

@@ -18,10 +18,10 @@ from npu.backends import (
     CpuBackend,
     MemoryStats,
     NpuBackend,
-    read_meminfo,
     select_backend,
 )
 from npu.cpu_memory import AllocationTracker
+from npu.host import read_meminfo
 from npu.launcher import launch
 from tests.npu import fake_torch_npu
 from tests.npu.fake_torch_npu import FakeNpuDevice, FakeNpuRuntime

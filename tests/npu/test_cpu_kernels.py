@@ -14,7 +14,7 @@ from appliance.config.compose import load_runtime_config
 from npu import cpu_kernels
 from npu.fused_norms import CpuFusedNorms, TorchNorms, layer_norms
 from npu.paged_attention_cpu import paged_decode_attention
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="no C++ compiler: runners use torch ops (tested elsewhere)")

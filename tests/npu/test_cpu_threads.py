@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import npu.backends
 import npu.cpu_threads
+import npu.host
 from npu.backends import CpuBackend
 from npu.cpu_threads import (
     CpuQuota,
@@ -202,15 +202,15 @@ def test_a_cpu_backend_logs_its_choice_and_what_it_leaves_to_the_front_ends(tmp_
                      runnable_others=0.0)
     try:
         torch.set_num_threads(2)
-        with caplog.at_level(logging.INFO, logger="npu.backends"):
-            monkeypatch.setattr(npu.backends, "read_host_cpus", lambda: busy)
+        with caplog.at_level(logging.INFO, logger="npu.host"):
+            monkeypatch.setattr(npu.host, "read_host_cpus", lambda: busy)
             CpuBackend()
             assert torch.get_num_threads() == 1
             assert "device.cpu_threads=null: 1 intra-op thread (2 cores in this process's affinity" in caplog.text
             assert "16 other tasks runnable now" in caplog.text
             assert "1 of 2 usable cores left to the front ends" in caplog.text
             caplog.clear()
-            monkeypatch.setattr(npu.backends, "read_host_cpus", lambda: quiet)
+            monkeypatch.setattr(npu.host, "read_host_cpus", lambda: quiet)
             CpuBackend()
             assert torch.get_num_threads() == 3
             assert "all 3 usable cores taken, so the engine's threads share them with the front ends" in caplog.text

@@ -15,7 +15,8 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
 from npu.graphs import batch_buckets
-from npu.qwen3 import Qwen3Runner, _GraphStep
+from npu.qwen3.graph_step import GraphStep
+from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,7 +54,7 @@ def test_static_decode_gives_the_ordinary_steps_logits_and_touches_no_real_page_
     for step in range(3):
         batch = StepBatch([SeqStep(name, [rng.randrange(3, 500)], len(tokens) + step, {"kv": table})
                            for name, tokens, table in seqs])
-        assert isinstance(static.prepare(batch), _GraphStep)
+        assert isinstance(static.prepare(batch), GraphStep)
         want, got = plain.execute(batch), static.execute(batch)
         assert got.shape == want.shape == (rows, 512)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -69,7 +70,7 @@ def test_steps_that_are_not_plain_decode_take_the_ordinary_path():
     for batch in (StepBatch([SeqStep("a", [5, 6], 17, {"kv": [0, 1]})]),                      # a chunk
                   StepBatch([SeqStep("a", [5], 17, {"kv": [0, 1]}, all_logits=True)]),         # prompt logprobs
                   StepBatch([SeqStep(f"r{i}", [5], 0, {"kv": [2 + i]}) for i in range(9)])):  # beyond the buckets
-        assert not isinstance(static.prepare(batch), _GraphStep)
+        assert not isinstance(static.prepare(batch), GraphStep)
         static.execute(batch)
 
 
@@ -97,5 +98,5 @@ def test_a_static_decode_step_runs_on_the_device_alone():
     a, b = tables(r, 0, 128), tables(r, 10, 128)
     step(r, StepBatch([SeqStep("a", list(range(3, 20)), 0, a), SeqStep("b", list(range(5, 9)), 0, b)]))
     batch = StepBatch([SeqStep("a", [7], 17, a), SeqStep("b", [11], 4, b), SeqStep("c", [3], 0, tables(r, 20, 128))])
-    assert isinstance(r.prepare(batch), _GraphStep)
+    assert isinstance(r.prepare(batch), GraphStep)
     assert step(r, batch).shape[0] == 3

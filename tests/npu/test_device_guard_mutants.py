@@ -16,15 +16,15 @@ import textwrap
 
 import pytest
 
-import npu.dsv4.attention
-import npu.qwen3
-from npu.dsv4.attention import Attention
-from npu.qwen3 import Qwen3Runner
+import npu.deepseek_v4.attention
+import npu.qwen3.runner
+from npu.deepseek_v4.attention import Attention
+from npu.qwen3.runner import Qwen3Runner
 from tests.npu import test_device_guard as guard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# npu/dsv4/attention.py Attention._index at acfe195, the version that crashed on an H200.
+# npu/deepseek_v4/attention.py Attention._index at acfe195, the version that crashed on an H200.
 OLD_INDEX = """
 def _index(self, layer: int, group: QueryGroup, q: torch.Tensor, head_w: torch.Tensor) -> Rows | None:
     di, ratio, topk = self.lay.index_head_dim, self.csa, self.lay.index_topk
@@ -68,13 +68,13 @@ def test_qwen3_view_of_sdpa_output_fails_the_guard(monkeypatch):
     fixed = "attn_mask=d.mask).reshape(d.count, nh, hd)"
     source = inspect.getsource(Qwen3Runner._attend)
     assert fixed in source, "the fixed line moved: update this mutant"
-    monkeypatch.setattr(Qwen3Runner, "_attend", rebuilt(Qwen3Runner._attend, npu.qwen3,
+    monkeypatch.setattr(Qwen3Runner, "_attend", rebuilt(Qwen3Runner._attend, npu.qwen3.runner,
                                                         source.replace(fixed, "attn_mask=d.mask).view(d.count, nh, hd)")))
     with pytest.raises(Exception, match="view"):
         guard.test_serving_steps_run_on_the_device_alone(guard.QWEN3_GATHER)
 
 
 def test_dsv4_host_tensor_indexed_by_a_device_mask_fails_the_guard(monkeypatch):
-    monkeypatch.setattr(Attention, "_index", rebuilt(Attention._index, npu.dsv4.attention, OLD_INDEX))
+    monkeypatch.setattr(Attention, "_index", rebuilt(Attention._index, npu.deepseek_v4.attention, OLD_INDEX))
     with pytest.raises(Exception, match="host sync|indexed by a device tensor"):
         guard.test_serving_steps_run_on_the_device_alone(guard.DSV4)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4 import csa_ratio
-from npu.deepseek_v4 import DeepseekV4Runner
+from appliance.core.archs.deepseek_v4.layout import csa_ratio
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from npu.step import SeqStep, StepBatch
 from npu.weights import load_state_dict
 from tests.support.checkpoints import write_tiny_checkpoint
@@ -231,7 +231,7 @@ def test_batched_greedy_matches_transformers(weights, reference, garbage):
 
 def fits_rings(start: int, n: int) -> int:
     """The longest chunk <= n from `start` that every state ring holds (mid-window starts need a page more)."""
-    from appliance.core.archs.deepseek_v4 import state_span_pages
+    from appliance.core.archs.deepseek_v4.cache_groups import state_span_pages
     m = model()
     csa = csa_ratio(m.layout)
     while n > 1 and state_span_pages(start, n, csa, m.group("csa_state").tokens_per_page, True) > \
@@ -382,9 +382,9 @@ def test_int8_indexer_rows_serve(weights, reference):
 
 @pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_gemm", "per_expert_where"])
 def test_the_accelerator_moe_path_matches_transformers(weights, reference, grouped_mm):
-    """On an accelerator the routed experts run stacked (npu.dsv4.moe.grouped_experts: no host sync); here on the
+    """On an accelerator the routed experts run stacked (npu.deepseek_v4.moe.grouped_experts: no host sync); here on the
     CPU, forced, so its sums are checked against the oracle where a GPU is not at hand."""
-    from npu.deepseek_v4 import stack_experts
+    from npu.deepseek_v4.expert_stacks import stack_experts
     runner = make_runner(weights)
     runner.expert_stacks, runner.grouped_mm = stack_experts(runner.params), grouped_mm
     assert runner.expert_stacks and not any(".experts." in name for name in runner.params)

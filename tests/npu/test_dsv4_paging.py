@@ -12,8 +12,8 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
-from npu.deepseek_v4 import DeepseekV4Runner
-from npu.dsv4.paging import PoolIO, Rows, build_plan
+from npu.deepseek_v4.paging import PoolIO, Rows, build_plan
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from npu.step import SeqStep, StepBatch
 from tests.npu.test_fused_paths import dsv4_mixed_step
 

@@ -8,15 +8,16 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4 import csa_ratio, state_span_pages
+from appliance.core.archs.deepseek_v4.cache_groups import state_span_pages
+from appliance.core.archs.deepseek_v4.layout import csa_ratio
 from appliance.core.step_limits import SeqShape, StepShape
-from npu.deepseek_v4 import DeepseekV4Runner
-from npu.dsv4 import moe as moe_module
-from npu.dsv4.attention import pool_windows
-from npu.dsv4.hyper import hc_pre, sinkhorn
-from npu.dsv4.moe import route
-from npu.dsv4.paging import build_plan
-from npu.dsv4.rope import default_inv_freq, layer_ropes, yarn_inv_freq
+from npu.deepseek_v4 import moe as moe_module
+from npu.deepseek_v4.attention import pool_windows
+from npu.deepseek_v4.hyper import hc_pre, sinkhorn
+from npu.deepseek_v4.moe import route
+from npu.deepseek_v4.paging import build_plan
+from npu.deepseek_v4.rope import default_inv_freq, layer_ropes, yarn_inv_freq
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from npu.step import SeqStep, StepBatch
 
 
@@ -108,7 +109,7 @@ def routed_per_layer(monkeypatch, seed: int, num_tokens: int):
     runner.allocate_pools({s.name: s.max_blocks_per_seq for s in m.cache_groups}, 1)
     seen = []
     real = moe_module.routed_experts
-    monkeypatch.setattr("npu.deepseek_v4.routed_experts",
+    monkeypatch.setattr("npu.deepseek_v4.runner.routed_experts",
                         lambda h, w, e, *a: seen.append((h, w, e)) or real(h, w, e, *a))
     tokens = [random.Random(seed).randrange(m.layout.vocab_size) for _ in range(num_tokens)]
     tables = {s.name: list(range(s.max_blocks_per_seq)) for s in m.cache_groups}

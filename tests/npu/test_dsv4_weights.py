@@ -11,12 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, parameter_counts
+from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, parameter_counts
 from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.errors import CheckpointError
 from appliance.core.estimate import estimate_peak_non_kv, offline_devices
 from appliance.core.parallel import RankPlace, place_of
-from npu.deepseek_v4 import DeepseekV4Runner
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from npu.quant import QuantizedWeight, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from npu.weights import load_state_dict, random_state_dict
 from tests.support.checkpoints import dense_twin, dequantize_state, save_checkpoint, write_tiny_checkpoint
@@ -348,7 +348,7 @@ def test_stacked_quantized_experts_dequantize_as_each_expert_does(fmt, chunk, mo
     dequantizes the stack for a step (a few experts at a time: DEQUANT_CHUNK_VALUES): every expert's matrix must
     come out as its own dequantize gives it."""
     import npu.quant
-    from npu.deepseek_v4 import stack_experts
+    from npu.deepseek_v4.expert_stacks import stack_experts
     monkeypatch.setattr(npu.quant, "DEQUANT_CHUNK_VALUES", chunk)
     gen = torch.Generator().manual_seed(3)
     held = {}

@@ -7,7 +7,7 @@
 - Every index_select / index reads a contiguous tensor (recorded by a TorchDispatchMode, where the real
   source of each op is seen), so no step materializes a strided view of a pool layer.
 - DeepSeek V4 attends with its own softmax (window rows, the indexer's picked compressed rows and a sink
-  logit: no SDPA applies, see npu/dsv4/attention.py): every mask it applies is a bool masked_fill, no
+  logit: no SDPA applies, see npu/deepseek_v4/attention.py): every mask it applies is a bool masked_fill, no
   -inf tensor is ever added to scores, and its pools are read and written one contiguous layer at a time.
 - On an NPU the runner attends with torch_npu's fused paged-attention kernel (npu.fused_attention); here a
   reference implementation of the kernel's documented semantics stands in for it, and the runner's output
@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance.config.compose import load_runtime_config
 from appliance.engine.kv_cache_manager import KvCacheManager
-from npu.deepseek_v4 import DeepseekV4Runner
+from npu.deepseek_v4.runner import DeepseekV4Runner
 from npu.fused_attention import MASK_SIZE, FusedPagedAttention, fused_attention_op
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 from tests.npu import fake_torch_npu
 from tests.support.kv import blocks_per_group

@@ -12,7 +12,7 @@ from appliance.core.planner import DeviceMemory, InsufficientMemoryError, plan_c
 from appliance.modes.plan import make_plan
 from npu.backends import CpuBackend
 from npu.launcher import launch
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.registry import runner_class
 from npu.step import SeqStep, StepBatch
 from tests.support.fake_device import FakeBackend, FakeMemoryProbe, ShapeOnlyRunner
@@ -200,14 +200,14 @@ def test_tiny_deepseek_v4_starts_on_cpu():
 def test_weights_that_cannot_fit_fail_before_the_runner_exists_naming_every_number():
     from appliance.core.estimate import estimate_peak_non_kv
     from appliance.core.parallel import RankPlace
-    from npu.launcher import check_weights_fit
+    from npu.launcher import check_backend_fit
 
     rc = load_runtime_config(["+model=dsv4", "device=npu", "npu_memory_utilization=0.85"])
     weights = estimate_peak_non_kv(rc.model, RankPlace.single(), rc.plan.activation_allowance_bytes).weight_bytes_per_device
     totals = [NPU_64G * 8] * 4
     totals[2] = NPU_64G                                     # one small device is enough to refuse
     with pytest.raises(InsufficientMemoryError) as err:
-        check_weights_fit(rc, FakeBackend(FakeMemoryProbe(4, totals), kind="npu"))
+        check_backend_fit(rc, FakeBackend(FakeMemoryProbe(4, totals), kind="npu"))
     msg = str(err.value)
     usable = int(NPU_64G * 0.85)
     assert msg.startswith(f"{rc.model.name} does not fit on device npu:2; nothing was loaded")
@@ -218,12 +218,12 @@ def test_weights_that_cannot_fit_fail_before_the_runner_exists_naming_every_numb
 
 
 def test_weights_that_fit_pass_the_check():
-    from npu.launcher import check_weights_fit
+    from npu.launcher import check_backend_fit
 
     rc = load_runtime_config(["+model=dsv4", "device=npu"])
-    check_weights_fit(rc, FakeBackend(FakeMemoryProbe(2, 512 * GiB), kind="npu"))
+    check_backend_fit(rc, FakeBackend(FakeMemoryProbe(2, 512 * GiB), kind="npu"))
     tiny = load_runtime_config(["device=cpu"])
-    check_weights_fit(tiny, CpuBackend(memory_bytes_per_device=64 * MiB))
+    check_backend_fit(tiny, CpuBackend(memory_bytes_per_device=64 * MiB))
 
 
 def test_the_check_counts_the_least_kv_cache_too():
@@ -231,14 +231,14 @@ def test_the_check_counts_the_least_kv_cache_too():
     from appliance.core.estimate import estimate_peak_non_kv
     from appliance.core.kv_cache_spec import bytes_per_slot
     from appliance.core.parallel import RankPlace
-    from npu.launcher import check_weights_fit
+    from npu.launcher import check_backend_fit
 
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "npu_memory_utilization=1.0"])
     weights = estimate_peak_non_kv(rc.model, RankPlace.single(), 0).weight_bytes_per_device
     need = weights + scratch_bytes(rc.model.cache_groups, rc.decode_batch) + bytes_per_slot(rc.model.cache_groups)
-    check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need))
+    check_backend_fit(rc, CpuBackend(memory_bytes_per_device=need))
     with pytest.raises(InsufficientMemoryError, match="shortfall                       1 B"):
-        check_weights_fit(rc, CpuBackend(memory_bytes_per_device=need - 1))
+        check_backend_fit(rc, CpuBackend(memory_bytes_per_device=need - 1))
 
 
 def test_startup_reports_each_phase_in_order(caplog):
@@ -281,7 +281,7 @@ def test_the_fit_before_loading_and_the_plan_agree_at_the_boundary(utilization):
     from appliance.core.estimate import estimate_peak_non_kv
     from appliance.core.parallel import RankPlace
     from appliance.core.planner import kv_shortfall, least_kv_bytes, usable_bytes
-    from npu.launcher import check_weights_fit
+    from npu.launcher import check_backend_fit
 
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", f"npu_memory_utilization={utilization}"])
     specs = rc.model.cache_groups
@@ -293,12 +293,12 @@ def test_the_fit_before_loading_and_the_plan_agree_at_the_boundary(utilization):
         assert (shortfall == 0) == fits
         device = DeviceMemory("cpu", size, size, weights)
         if fits:
-            check_weights_fit(rc, CpuBackend(memory_bytes_per_device=size))
+            check_backend_fit(rc, CpuBackend(memory_bytes_per_device=size))
             assert plan_capacity(specs, [device], utilization=utilization, decode_batch=rc.decode_batch,
                                  max_model_len=rc.max_model_len, block_size=rc.block_size).capacity_slots >= 1
             continue
         with pytest.raises(InsufficientMemoryError, match=f"shortfall +{shortfall:,} B"):
-            check_weights_fit(rc, CpuBackend(memory_bytes_per_device=size))
+            check_backend_fit(rc, CpuBackend(memory_bytes_per_device=size))
         with pytest.raises(InsufficientMemoryError, match=f"shortfall {shortfall:,} B"):
             plan_capacity(specs, [device], utilization=utilization, decode_batch=rc.decode_batch,
                           max_model_len=rc.max_model_len, block_size=rc.block_size)

@@ -11,7 +11,7 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

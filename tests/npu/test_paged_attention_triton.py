@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from npu.paged_attention_triton import triton_decode_attention  # noqa: E402
-from npu.qwen3 import Qwen3Runner  # noqa: E402
+from npu.qwen3.runner import Qwen3Runner  # noqa: E402
 from npu.step import SeqStep, StepBatch  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import torch
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import ConfigError
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 from tests.support.checkpoints import write_tiny_checkpoint
@@ -207,7 +207,7 @@ def _prefill_alone(runner, prompts, first_page=0):
 def test_decode_rows_of_very_different_lengths_match_each_alone(runner):
     """A decode batch whose contexts differ a lot is split into buckets and reordered; each sampled row
     must equal the same decode step run alone (which has one row and no padding)."""
-    from npu.qwen3 import decode_buckets
+    from npu.qwen3.step_layout import decode_buckets
     lengths = [3, 300, 17, 150, 40, 299, 5, 90, 260, 1, 33, 180]
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
@@ -248,7 +248,7 @@ def test_prefill_chunks_in_one_step_match_each_alone(runner):
 
 
 def test_decode_buckets_split_where_the_width_halves_and_padding_pays():
-    from npu.qwen3 import SPLIT_MIN_SAVING, decode_buckets
+    from npu.qwen3.step_layout import SPLIT_MIN_SAVING, decode_buckets
     assert decode_buckets([4, 4, 4], 16) == [(0, 3)]
     # 16-token pages: at width 6 the widest is 19 >= 2 x 6, and 7 rows x 13 pages x 16 = 1456 >= 1024 tokens;
     # after that no row halves 6 with enough rows left (at width 3: 6 x 3 x 16 = 288).

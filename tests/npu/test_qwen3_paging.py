@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import npu.qwen3
+import npu.qwen3.step_meta
 from appliance.config.compose import load_runtime_config
 from npu.fused_attention import FusedPagedAttention
-from npu.qwen3 import SPLIT_MIN_SAVING, Qwen3Runner, decode_buckets
+from npu.qwen3.runner import Qwen3Runner
+from npu.qwen3.step_layout import SPLIT_MIN_SAVING, decode_buckets
 from npu.step import SeqStep, StepBatch
 from tests.npu.test_fused_paths import SdpaMasks
 
@@ -195,7 +196,7 @@ def test_cached_chunks_of_the_same_start_and_length_share_one_gather_and_call(ca
     32-token contexts) the first two together and the third alone; each row's logits equal to its chunk run
     alone (so each chunk attends to its own pages, not a neighbour's)."""
     if cap is not None:
-        monkeypatch.setattr(npu.qwen3, "GROUP_GATHER_TOKENS", cap)
+        monkeypatch.setattr(npu.qwen3.step_meta, "GROUP_GATHER_TOKENS", cap)
     runner = runner_on("cpu")
     runner.allocate_pools({"kv": 12}, 1)
     rng = random.Random(8)

@@ -11,7 +11,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.checkpoint_config import check_checkpoint_config
 from appliance.core.errors import CheckpointError
 from appliance.core.tokenizer import EOS, SPECIAL_TOKENS, Tokenizer, load_tokenizer_for
-from npu.qwen3 import Qwen3Runner
+from npu.qwen3.runner import Qwen3Runner
 from npu.weights import load_state_dict, random_state_dict
 from tests.support.checkpoints import write_tiny_checkpoint
 

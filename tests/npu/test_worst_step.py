@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import npu.qwen3
+import npu.qwen3.step_meta
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.core.step_limits import SeqShape, StepShape, step_limits, worst_steps
@@ -142,7 +142,7 @@ def test_the_old_even_profile_would_not_have_bounded_the_long_chunk(started, mon
     attending to cached chunks one at a time, whose attention peaks at the longest chunk; DeepSeek V4's guard
     is its MoE routing, below). With its default grouping the runner gathers the spread chunks' pages together,
     which costs more than the long chunk, and both are profiled."""
-    monkeypatch.setattr(npu.qwen3, "GROUP_GATHER_TOKENS", 0)
+    monkeypatch.setattr(npu.qwen3.step_meta, "GROUP_GATHER_TOKENS", 0)
     rc, runner, report = started
     steps = extreme_steps(rc)
     long_chunk = step_peak(runner, build(rc, manager(rc, report), steps["one sequence, whole chunk, full context"]),
@@ -242,7 +242,7 @@ MOE_HEAVY = ["+model=dsv4_tiny", "model.layout.num_experts=32", "model.layout.nu
 def recorded_routings(monkeypatch) -> list[list[set[int]]]:
     """The experts each token picks in each routed MoE call of the DeepSeek V4 runner, from now on (as Python
     sets: no tensor is kept alive to add to a tracked peak)."""
-    import npu.deepseek_v4 as dsv4
+    import npu.deepseek_v4.runner as dsv4
     seen, real = [], dsv4.routed_experts
 
     def recording(h, weights, experts, expert, limit):

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from appliance.core.archs.deepseek_v4 import compress_ratios
-from appliance.core.archs.deepseek_v4_weights import model_weights, scale_name
+from appliance.core.archs.deepseek_v4.layout import compress_ratios
+from appliance.core.archs.deepseek_v4.weights import model_weights, scale_name
 from appliance.core.config import ModelSpec
 from appliance.core.tokenizer import Tokenizer
 from npu.quant import QuantizedWeight, quantize_fp4, quantize_fp8

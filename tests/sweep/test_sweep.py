@@ -161,7 +161,7 @@ def test_sweep_group_configs(overrides, jobs, mode):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from appliance.config.compose import CONF_DIR
+    from appliance.config.overrides import CONF_DIR
     from appliance.sweep import count_jobs
 
     GlobalHydra.instance().clear()

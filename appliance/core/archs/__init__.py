@@ -10,86 +10,42 @@ before any device work. The runner of each arch is the device plane's table (npu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic
+from typing import Any
 
-from appliance.core.archs import deepseek_v4, deepseek_v4_weights, qwen3
-from appliance.core.archs.hf_config import HfLayout
-from appliance.core.config import L, Layout, ModelSpec, ParallelSettings
+from appliance.core.archs.architecture import Architecture
+from appliance.core.archs.deepseek_v4 import cache_groups as dsv4_groups
+from appliance.core.archs.deepseek_v4 import config_json as dsv4_config
+from appliance.core.archs.deepseek_v4 import prefix_ties as dsv4_ties
+from appliance.core.archs.deepseek_v4 import rules as dsv4_rules
+from appliance.core.archs.deepseek_v4 import weights as dsv4_weights
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
+from appliance.core.archs.qwen3 import config_json as qwen3_config
+from appliance.core.archs.qwen3 import rules as qwen3_rules
+from appliance.core.archs.qwen3 import tensor_parallel as qwen3_tp
+from appliance.core.archs.qwen3.layout import Qwen3Layout
+from appliance.core.config import ModelSpec, ParallelSettings
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.parallel import RankPlace, resolve_parallel
-from appliance.core.prefix_reuse import LengthDependentKv
 
+QWEN3: Architecture[Qwen3Layout] = Architecture(
+    name="qwen3", layout=Qwen3Layout, parallelism=frozenset({"tensor", "data"}),
+    validate=qwen3_rules.validate, layout_rules=qwen3_rules.layout_rules, parallel_rules=qwen3_rules.parallel_issues,
+    rank_weight_bytes=qwen3_tp.rank_weight_bytes, rank_cache_groups=qwen3_tp.rank_cache_groups,
+    config_keys=qwen3_config.CONFIG_KEYS, hf_architectures=qwen3_config.HF_ARCHITECTURES,
+    hf_model_types=qwen3_config.HF_MODEL_TYPES, hf_value_kinds=qwen3_config.HF_VALUE_KINDS,
+    layout_from_hf_config=qwen3_config.layout_from_hf_config, cache_groups_for=qwen3_config.cache_groups_for)
 
-def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
-    return dict(cfg)
+DEEPSEEK_V4: Architecture[DeepseekV4Layout] = Architecture(
+    name="deepseek_v4", layout=DeepseekV4Layout, parallelism=frozenset({"data", "expert"}),
+    validate=dsv4_rules.validate, layout_rules=dsv4_rules.layout_rules,
+    rank_weight_bytes=dsv4_weights.rank_weight_bytes, parameters=dsv4_weights.parameter_counts,
+    config_keys=dsv4_config.CONFIG_KEYS, config_view=dsv4_config.config_view, config_fixed=dsv4_config.CONFIG_FIXED,
+    hf_architectures=dsv4_config.HF_ARCHITECTURES, hf_model_types=dsv4_config.HF_MODEL_TYPES,
+    hf_value_kinds=dsv4_config.HF_VALUE_KINDS, layout_from_hf_config=dsv4_config.layout_from_hf_config,
+    cache_groups_for=dsv4_groups.cache_groups_for, length_dependent_kv=dsv4_ties.length_dependent_kv)
 
-
-def _same_groups(model: ModelSpec[Any], place: RankPlace) -> tuple[CacheGroupSpec, ...]:
-    return model.cache_groups
-
-
-def _no_rules(layout: Layout, parallel: ParallelSettings) -> list[ConfigIssue]:
-    return []
-
-
-def _no_layout_rules(layout: Layout) -> list[ConfigIssue]:
-    return []
-
-
-def _tokens_alone(layout: Layout) -> LengthDependentKv | None:
-    return None
-
-
-@dataclass(frozen=True)
-class Architecture(Generic[L]):
-    name: str
-    validate: Callable[[ModelSpec[L]], list[ConfigIssue]]  # layout and cache-group rules, with key paths
-    parallelism: frozenset[str]                            # among "tensor", "data", "expert"
-    config_keys: dict[str, str]                            # checkpoint config.json key -> layout key
-    # Ranks: the checkpoint bytes one rank loads (its shard; the runner loads exactly these tensors), the cache
-    # groups as one rank stores them (tensor parallel keeps only its kv heads), and what the sizes must divide.
-    rank_weight_bytes: Callable[[L, RankPlace], int]
-    rank_cache_groups: Callable[[ModelSpec[L], RankPlace], tuple[CacheGroupSpec, ...]] = _same_groups
-    parallel_rules: Callable[[L, ParallelSettings], list[ConfigIssue]] = _no_rules
-    config_view: Callable[[dict[str, Any]], dict[str, Any]] = _flat   # config.json -> the keys config_keys names
-    config_fixed: dict[str, Any] = field(default_factory=dict)        # config.json keys with one supported value
-    # The parameters as released (names, shapes, stored formats), when the arch describes them torch-free:
-    # the runner's expected weights, the plan's weight estimate and mode=validate's counts all read it.
-    parameters: Callable[[L], deepseek_v4_weights.ParameterCounts] | None = None
-    # Serving a checkpoint directory (+model=hf): its config.json "architectures" names, the layout it gives,
-    # and the cache groups a finished layout needs (model-YAML shaped dicts).
-    hf_architectures: tuple[str, ...] = ()
-    hf_model_types: tuple[str, ...] = ()
-    hf_value_kinds: dict[str, Any] = field(default_factory=dict)   # config.json keys read besides config_keys
-    layout_from_hf_config: Callable[[dict[str, Any]], HfLayout] | None = None
-    cache_groups_for: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
-    # The architecture's own frozen layout type (model.layout), and its rules the cache groups derive from
-    # (checked before they are derived; `validate` runs after).
-    layout: type[L] = field(kw_only=True)
-    layout_rules: Callable[[L], list[ConfigIssue]] = field(default=_no_layout_rules, kw_only=True)
-    # Where a cached page stops depending on the prompt's tokens alone (core/prefix_reuse.py); None: nowhere.
-    length_dependent_kv: Callable[[L], LengthDependentKv | None] = field(default=_tokens_alone, kw_only=True)
-
-
-ARCHITECTURES: dict[str, Architecture[Any]] = {a.name: a for a in (
-    Architecture("qwen3", qwen3.validate, frozenset({"tensor", "data"}), qwen3.CONFIG_KEYS,
-                 qwen3.rank_weight_bytes, qwen3.rank_cache_groups, qwen3.parallel_issues, hf_architectures=qwen3.HF_ARCHITECTURES, hf_model_types=qwen3.HF_MODEL_TYPES,
-                 hf_value_kinds=qwen3.HF_VALUE_KINDS, layout_from_hf_config=qwen3.layout_from_hf_config,
-                 cache_groups_for=qwen3.cache_groups_for, layout=qwen3.Qwen3Layout,
-                 layout_rules=qwen3.layout_rules),
-    Architecture("deepseek_v4", deepseek_v4.validate,
-                 frozenset({"data", "expert"}), deepseek_v4.CONFIG_KEYS, deepseek_v4_weights.rank_weight_bytes,
-                 config_view=deepseek_v4.config_view, config_fixed=deepseek_v4.CONFIG_FIXED,
-                 parameters=deepseek_v4_weights.parameter_counts,
-                 hf_architectures=deepseek_v4.HF_ARCHITECTURES, hf_model_types=deepseek_v4.HF_MODEL_TYPES,
-                 hf_value_kinds=deepseek_v4.HF_VALUE_KINDS,
-                 layout_from_hf_config=deepseek_v4.layout_from_hf_config,
-                 cache_groups_for=deepseek_v4.cache_groups_for,
-                 layout=deepseek_v4.DeepseekV4Layout, layout_rules=deepseek_v4.layout_rules,
-                 length_dependent_kv=deepseek_v4.length_dependent_kv),
-)}
+ARCHITECTURES: dict[str, Architecture[Any]] = {a.name: a for a in (QWEN3, DEEPSEEK_V4)}
 HF_ARCHITECTURES: dict[str, Architecture[Any]] = {hf: a for a in ARCHITECTURES.values() for hf in a.hf_architectures}
 
 

@@ -23,7 +23,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout, csa_ratio
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout, csa_ratio
+from appliance.core.archs.parameter_counts import ParameterCounts
 from appliance.core.kv_cache_spec import DTYPE_BYTES
 from appliance.core.parallel import RankPlace
 
@@ -205,19 +206,6 @@ def _bytes_by_expert(layout: DeepseekV4Layout) -> tuple[int, dict[int, int]]:
         else:
             replicated += nbytes
     return replicated, per_expert
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    total: int               # main model (embedding, layers, head), every expert
-    active: int              # per token: everything but the routed experts, plus num_experts_per_tok of them
-    mtp: int                 # the MTP layers on top (held, not served)
-    replicated_bytes: int    # checkpoint bytes every data-parallel rank holds (all but the routed experts)
-    expert_bytes: int        # checkpoint bytes of the routed experts, divided over expert-parallel ranks
-
-    @property
-    def total_bytes(self) -> int:
-        return self.replicated_bytes + self.expert_bytes
 
 
 def parameter_counts(layout: DeepseekV4Layout) -> ParameterCounts:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.core.archs.deepseek_v4 import DeepseekV4Layout
+from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -27,7 +27,7 @@ def yarn_inv_freq(theta: float, dim: int, factor: float, original_max_positions:
         return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001
     keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -71,9 +71,9 @@ class Rope:
 def layer_ropes(layout: DeepseekV4Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:
     """{False: window-only layers' RoPE, True: compressed layers' RoPE (YaRN when the layout sets it)}."""
     dim = layout.qk_rope_head_dim
-    compress = (yarn_inv_freq(layout.compress_rope_theta, dim, layout.yarn_factor,
-                              layout.yarn_original_max_position_embeddings, layout.yarn_beta_fast,
+    factor, original = layout.yarn_factor, layout.yarn_original_max_position_embeddings   # both or neither (rules)
+    compress = (yarn_inv_freq(layout.compress_rope_theta, dim, factor, original, layout.yarn_beta_fast,
                               layout.yarn_beta_slow)
-                if layout.yarn_factor else default_inv_freq(layout.compress_rope_theta, dim))
+                if factor and original is not None else default_inv_freq(layout.compress_rope_theta, dim))
     return {False: Rope(default_inv_freq(layout.rope_theta, dim).to(device), dtype),
             True: Rope(compress.to(device), dtype)}

@@ -38,10 +38,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, DeepseekV4Layout
-from npu.dsv4.hyper import unweighted_rms
-from npu.dsv4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
-from npu.dsv4.rope import Rope, Rotation
+from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
+from npu.deepseek_v4.hyper import unweighted_rms
+from npu.deepseek_v4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
+from npu.deepseek_v4.rope import Rope, Rotation
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,7 +141,7 @@ class Attention:
             cmp = self.kinds[ratio].outputs[0]
             if ratio != self.csa:
                 parts.append((self.io.read(cmp, layer, group.keys[cmp], d, self.dtype), group.visible[ratio]))
-            elif (picked := self._index(layer, group, *index)) is not None:
+            elif index is not None and (picked := self._index(layer, group, *index)) is not None:   # CSA: set
                 parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
         return parts
 

@@ -1,15 +1,15 @@
 """DeepSeek V4 (as released: DeepSeek-V4-Flash) over the seven paged KV-cache groups, the tiny and the full layout.
 
-Per main layer, on hc_mult residual streams (npu/dsv4/hyper.py):
+Per main layer, on hc_mult residual streams (npu/deepseek_v4/hyper.py):
     post, comb, x = hc_pre(streams); streams = post * attention(attn_norm(x)) + comb^T streams
     post, comb, x = hc_pre(streams); streams = post * moe(ffn_norm(x)) + comb^T streams
-then logits = head(norm(hc_head(streams))). Attention (npu/dsv4/attention.py): q-LoRA queries, one shared
+then logits = head(norm(hc_head(streams))). Attention (npu/deepseek_v4/attention.py): q-LoRA queries, one shared
 KV row, a sliding window (`ori`), compressed rows (overlapping CSA with the lightning indexer, HCA), a
-learned sink, grouped output projection. MoE (npu/dsv4/moe.py): routed experts (the first num_hash_layers
+learned sink, grouped output projection. MoE (npu/deepseek_v4/moe.py): routed experts (the first num_hash_layers
 layers route by tid2eid[token]) plus a shared expert. The oracle is transformers' DeepseekV4ForCausalLM on
 the same weights (tests/npu/test_dsv4_oracle.py).
 
-Weights: the tensors and names of the released checkpoint (appliance/core/archs/deepseek_v4_weights.py).
+Weights: the tensors and names of the released checkpoint (appliance/core/archs/deepseek_v4/weights.py).
 They are held as stored: FP8 / FP4 matrices stay quantized on the device and each is dequantized to the
 compute dtype when its layer runs (a routed expert only when some token picks it), so the model is never
 in the compute dtype all at once. MTP layers (`mtp.J.*`) are loaded, checked and held the same way under
@@ -17,34 +17,31 @@ their released names (self.params), but not run: a speculative-decoding drafter 
 
 Steps may start anywhere and hold up to tokens_in_flight tokens per sequence, as long as every
 compressor-state ring has a slot for each page the step touches (block-aligned chunks always do; see
-appliance.core.archs.deepseek_v4.state_span_pages). Nothing bakes in a pool size: rows are located through
+appliance.core.archs.deepseek_v4.cache_groups.state_span_pages). Nothing bakes in a pool size: rows are located through
 the step's block tables on the runtime pools.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 
-from appliance.core.archs.deepseek_v4 import MTP_WINDOW_GROUP, STATE_GROUPS, compress_ratios
-from appliance.core.archs.deepseek_v4_weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
+from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, STATE_GROUPS, compress_ratios
+from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
-from appliance.core.parallel import RankPlace
-from npu.dsv4.attention import Attention, rms_norm
-from npu.dsv4.hyper import hc_head, hc_post, hc_pre
-from npu.dsv4.moe import exchange_experts, grouped_experts, grouped_mm_works, route, routed_experts, swiglu
-from npu.dsv4.mtp import STALE_STEPS, MtpHistory, catch_up_rows
-from npu.dsv4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
-from npu.dsv4.rope import Rotation, layer_ropes
+from appliance.core.parallel import RankPlace, TensorSlice
+from npu.deepseek_v4.attention import Attention, rms_norm
+from npu.deepseek_v4.expert_stacks import Held, stack_experts
+from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from npu.deepseek_v4.moe import exchange_experts, grouped_experts, grouped_mm_works, route, routed_experts, swiglu
+from npu.deepseek_v4.mtp import STALE_STEPS, Fed, MtpHistory, catch_up_rows, feed_tokens, flat_starts
+from npu.deepseek_v4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
+from npu.deepseek_v4.rope import Rotation, layer_ropes
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
 from npu.weights import is_norm_weight, random_seed
-
-Held = torch.Tensor | QuantizedWeight
 
 
 class DeepseekV4Runner(ModelRunner):
@@ -54,7 +51,10 @@ class DeepseekV4Runner(ModelRunner):
         super().__init__(model, torch.device(device), place)
         lay = model.layout
         self.ratios = model.main_layer_ratios
-        self.csa_ratio, self.hca_ratio = compress_ratios(lay)
+        ratios = compress_ratios(lay)
+        if ratios is None:                        # the arch rules (run by ModelRunner) refuse such a layout first
+            raise ValueError(f"model.layout.compress_ratios {list(lay.compress_ratios)}: needs exactly two nonzero")
+        self.csa_ratio, self.hca_ratio = ratios
         self.dtype = getattr(torch, lay.dtype)
         self.kinds = {
             self.csa_ratio: Compression(self.csa_ratio, ("csa_state", "csa_inner_state"),
@@ -83,7 +83,7 @@ class DeepseekV4Runner(ModelRunner):
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {t.name: (t.shape, getattr(torch, t.dtype)) for t in checkpoint_tensors(self.model.layout)}
 
-    def held_weights(self) -> dict[str, None]:
+    def held_weights(self) -> dict[str, TensorSlice | None]:
         """Expert parallel: the replicated weights and this rank's routed experts, each whole."""
         lay = self.model.layout
         return {t.name: None for w in rank_weights(lay, self.place) for t in stored_tensors(w, lay)}
@@ -103,7 +103,7 @@ class DeepseekV4Runner(ModelRunner):
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hold quantized matrices as QuantizedWeight (values + scales), norm gains and float32 tensors in
         float32, routing tables as indices, everything else as loaded (the compute dtype)."""
-        lay, held = self.model.layout, {}
+        lay, held = self.model.layout, dict[str, Held]()
         for w in rank_weights(lay, self.place):
             t = weights[w.name]
             if w.format in ("fp8", "fp4"):
@@ -148,7 +148,10 @@ class DeepseekV4Runner(ModelRunner):
         weights, experts = route(x, w(p + "gate.weight"), lay.scoring_func, lay.num_experts_per_tok,
                                  lay.routed_scaling_factor, bias=None if hashed else w(p + "gate.bias"),
                                  table=table, token_ids=ids)
-        expert = lambda e: tuple(w(f"{p}experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))  # noqa: E731
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return w(f"{p}experts.{e}.w1.weight"), w(f"{p}experts.{e}.w3.weight"), w(f"{p}experts.{e}.w2.weight")
+
         if p in self.expert_stacks:
             w1, w3, w2 = (h.dequantize(self.dtype) if isinstance(h, QuantizedWeight) else h
                           for h in self.expert_stacks[p])
@@ -158,7 +161,8 @@ class DeepseekV4Runner(ModelRunner):
         else:
             routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
                                       lay.num_experts)
-        shared = swiglu(x, *(w(f"{p}shared_experts.{n}.weight") for n in ("w1", "w3", "w2")), lay.swiglu_limit)
+        shared = swiglu(x, w(f"{p}shared_experts.w1.weight"), w(f"{p}shared_experts.w3.weight"),
+                        w(f"{p}shared_experts.w2.weight"), lay.swiglu_limit)
         return routed + shared
 
     def _hc(self, prefix: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,7 +185,7 @@ class DeepseekV4Runner(ModelRunner):
     def prepare(self, batch: StepBatch) -> StepBatch:
         """The host checks of a step. DeepSeek V4 lays out its step inside forward, from host data only (build_plan,
         then one upload per plan), because drafting plans each MTP pass after the last: a draft's value stays on the
-        device and is written into the next plan's tokens there (_feed)."""
+        device and is written into the next plan's tokens there (feed_tokens)."""
         if not self.params:
             raise RuntimeError("DeepseekV4Runner.execute: no weights; call load_weights() or set_weights() first")
         if not self.pools:
@@ -198,13 +202,13 @@ class DeepseekV4Runner(ModelRunner):
                 self._serve_experts_only(batch.draft_passes)
             return torch.empty(0, lay.vocab_size, dtype=torch.float32, device=self.device)
         self.executed_steps += 1
-        seqs, fed, drafted, drafts = batch.seqs, {}, [], {}
+        seqs, fed, drafted, drafts = batch.seqs, Fed(), list[torch.Tensor](), dict[str, torch.Tensor]()
         passes = max([batch.draft_passes, *(s.num_draft for s in seqs)])
         if passes:
             seqs, fed, drafted, drafts = self._draft(seqs, passes, batch.worst_case)
         plan = build_plan(self.model, StepBatch(seqs, batch.new_pages, batch.worst_case), list(self.kinds.values()),
                           self.device)
-        _feed(plan, seqs, fed)
+        feed_tokens(plan, seqs, fed)
         x = self.weight("embed.weight")[plan.token_ids]
         streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
         rot = self.attention.rotations(plan)
@@ -224,7 +228,7 @@ class DeepseekV4Runner(ModelRunner):
         head = w("embed.weight" if lay.tie_word_embeddings else "head.weight")
         return torch.nn.functional.linear(last, head).float()
 
-    # -- MTP drafting (npu/dsv4/mtp.py) ----------------------------------------------------------------
+    # -- MTP drafting (npu/deepseek_v4/mtp.py) ----------------------------------------------------------------
     def _mtp_pass(self, seqs: list[SeqStep], hidden: list[torch.Tensor], worst_case: bool,
                   fed: Fed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first MTP layer over `seqs` (rows i with their next tokens, as SeqSteps from row start_pos; `fed`: the
@@ -237,7 +241,7 @@ class DeepseekV4Runner(ModelRunner):
             return torch.empty(0, lay.vocab_size, device=self.device), torch.empty(0, device=self.device)
         plan = build_plan(self.model, StepBatch(seqs, worst_case=worst_case), [], self.device,
                           window=MTP_WINDOW_GROUP)
-        _feed(plan, seqs, fed or {})
+        feed_tokens(plan, seqs, fed or {})
         h = torch.cat([hidden[i] for i in flat_order(seqs)])
         e = rms_norm(w("embed.weight")[plan.token_ids], w(p + "enorm.weight"), lay.rms_norm_eps)
         x = (F.linear(e, w(p + "e_proj.weight")).unsqueeze(1)
@@ -257,7 +261,7 @@ class DeepseekV4Runner(ModelRunner):
         lay = self.model.layout
         spec = [s for s in seqs if s.num_draft]
         zero = lambda n: torch.zeros(n, lay.hc_mult, lay.hidden_size, dtype=self.dtype, device=self.device)  # noqa: E731
-        rows, hidden, fed = [], [], {}
+        rows, hidden, fed = list[SeqStep](), list[torch.Tensor](), Fed()
         for j, s in enumerate(spec):
             if len(s.token_ids) != 1:
                 raise ValueError(f"request {s.request_id!r}: a verifying row computes one token and its drafts, "
@@ -281,14 +285,14 @@ class DeepseekV4Runner(ModelRunner):
             live = [i for i, s in enumerate(spec) if s.num_draft > k]
             out, last = self._mtp_pass([rows[i] for i in live], [hidden[i] for i in live], worst_case,
                                        {n: fed[i] for n, i in enumerate(live) if i in fed})
-            tokens = out.argmax(dim=-1)                     # the drafts, on the device (first maximum on ties)
+            picked = out.argmax(dim=-1)                     # the drafts, on the device (first maximum on ties)
             fed = {}
             for n, i in enumerate(live):
-                drafts[i].append(tokens[n:n + 1])
+                drafts[i].append(picked[n:n + 1])
                 logits[i].append(out[n:n + 1])
                 hidden[i] = last[n:n + 1]
                 rows[i] = SeqStep(spec[i].request_id, [0], spec[i].start_pos + k, spec[i].block_tables)
-                fed[i] = (0, tokens[n:n + 1])
+                fed[i] = (0, picked[n:n + 1])
         verify = [s if not s.num_draft else
                   SeqStep(s.request_id, s.token_ids + [0] * s.num_draft, s.start_pos, s.block_tables,
                           prompt_len=s.prompt_len, all_logits=True) for s in seqs]
@@ -346,53 +350,3 @@ class DeepseekV4Runner(ModelRunner):
         x = torch.zeros(0, self.model.layout.hidden_size, dtype=self.dtype, device=self.device)
         self._moe(self.model.layout.num_layers, x, torch.zeros(0, dtype=torch.long, device=self.device), False,
                   "mtp.0.")
-
-
-# Tokens of a step's rows that only the device knows (drafts): batch index -> (offset in the row's token_ids,
-# device tensor of the tokens there). The row's token_ids hold placeholders at those offsets.
-Fed = dict[int, tuple[int, torch.Tensor]]
-
-
-def flat_starts(seqs: list[SeqStep]) -> dict[int, int]:
-    """Batch index -> the flat row of its first token in a plan of `seqs` (paging.flat_order)."""
-    out, at = {}, 0
-    for i in flat_order(seqs):
-        out[i] = at
-        at += len(seqs[i].token_ids)
-    return out
-
-
-def _feed(plan: StepPlan, seqs: list[SeqStep], fed: Fed) -> None:
-    """Write the fed tokens into the plan's token ids, on the plan's device (the plan was built from placeholders)."""
-    if not fed:
-        return
-    starts = flat_starts(seqs)
-    for i, (offset, tokens) in fed.items():
-        at = starts[i] + offset
-        plan.token_ids[at:at + tokens.shape[0]] = tokens
-
-
-EXPERT_WEIGHT = re.compile(r"(.*ffn\.)experts\.(\d+)\.(w1|w3|w2)\.weight$")
-
-
-def stack_experts(held: dict[str, Held]) -> dict[str, tuple[Held, Held, Held]]:
-    """Move every routed expert of `held` into per-layer stacks: prefix -> (w1, w3, w2), each [E, out, in] (as stored:
-    quantized ones keep their values and scales, stacked alike). The per-expert entries leave `held`, so nothing is
-    held twice."""
-    found: dict[str, dict[str, dict[int, Held]]] = {}
-    for name in [n for n in held if EXPERT_WEIGHT.match(n)]:
-        prefix, expert, which = EXPERT_WEIGHT.match(name).groups()  # type: ignore[union-attr]
-        found.setdefault(prefix, {}).setdefault(which, {})[int(expert)] = held.pop(name)
-    return {prefix: tuple(_stack(f"{prefix}experts.*.{w}.weight", [parts[w][e] for e in sorted(parts[w])])
-                          for w in ("w1", "w3", "w2"))  # type: ignore[misc]
-            for prefix, parts in found.items()}
-
-
-def _stack(name: str, weights: list[Held]) -> Held:
-    def stacked(ts: list[torch.Tensor]) -> torch.Tensor:     # through bytes: cat has no kernel for fp4 / e8m0
-        return torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
-    if isinstance(weights[0], QuantizedWeight):
-        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
-        return QuantizedWeight(name, stacked([w.values for w in quantized]), stacked([w.scale for w in quantized]),
-                               quantized[0].block)
-    return torch.stack([w for w in weights if isinstance(w, torch.Tensor)])

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from npu.deepseek_v4.paging import StepPlan, flat_order
+from npu.step import SeqStep
+
 
 @dataclass(frozen=True)
 class MtpHistory:
@@ -78,3 +81,27 @@ def catch_up_rows(history: MtpHistory | None, start: int, first_token: int) -> C
 
 
 STALE_STEPS = 256    # a history unused this many runner steps belongs to a finished sequence: dropped
+
+
+# Tokens of a step's rows that only the device knows (drafts): batch index -> (offset in the row's token_ids,
+# device tensor of the tokens there). The row's token_ids hold placeholders at those offsets.
+Fed = dict[int, tuple[int, torch.Tensor]]
+
+
+def flat_starts(seqs: list[SeqStep]) -> dict[int, int]:
+    """Batch index -> the flat row of its first token in a plan of `seqs` (paging.flat_order)."""
+    out, at = {}, 0
+    for i in flat_order(seqs):
+        out[i] = at
+        at += len(seqs[i].token_ids)
+    return out
+
+
+def feed_tokens(plan: StepPlan, seqs: list[SeqStep], fed: Fed) -> None:
+    """Write the fed tokens into the plan's token ids, on the plan's device (the plan was built from placeholders)."""
+    if not fed:
+        return
+    starts = flat_starts(seqs)
+    for i, (offset, tokens) in fed.items():
+        at = starts[i] + offset
+        plan.token_ids[at:at + tokens.shape[0]] = tokens

@@ -39,7 +39,8 @@ def route(h: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int, sc
     if table is not None:
         experts = table[token_ids]
     else:
-        experts = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+        biased = scores if bias is None else scores + bias
+        experts = torch.topk(biased, top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, experts)
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
 

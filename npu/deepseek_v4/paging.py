@@ -4,7 +4,7 @@ A step's plan is built once on the CPU (every layer reuses it), then moved to th
 group the physical page and row of every row the step writes or reads, and whether that row exists. Rows
 are located through the step's block tables only; ring groups find logical page L in slot L mod
 max_blocks_per_seq, so a ring must have as many slots as the logical pages one step touches: the runner
-checks that (appliance.core.archs.deepseek_v4.state_span_pages) instead of reading a reused slot.
+checks that (appliance.core.archs.deepseek_v4.cache_groups.state_span_pages) instead of reading a reused slot.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from appliance.core.archs.deepseek_v4 import state_span_pages
+from appliance.core.archs.deepseek_v4.cache_groups import state_span_pages
 from appliance.core.config import ModelSpec
 from appliance.core.kv_cache_spec import CacheGroupSpec
 from npu.step import SeqStep, StepBatch, logits_offsets
