@@ -123,6 +123,34 @@ def test_greedy_outputs_over_grpc_and_http_equal_the_in_process_engine(served):
     wait_for(served.all_free, 30, "blocks back")
 
 
+def collect(engine, request_id: str, prompt, params: SamplingParams) -> list:
+    """Every delta of one request, submitted straight to `engine` (an Engine or an EngineProcessClient)."""
+    return list(engine.submit(request_id, prompt, params))
+
+
+def test_every_sampling_field_crosses_to_the_core(served):
+    """Stop strings, logprobs, prompt logprobs, seeded sampling and an output constraint: the core's deltas equal the
+    in-process engine's, delta for delta (the fields travel in the messages as the engine's own dataclasses)."""
+    from appliance.core.constraint import OutputConstraint
+    from appliance.engine.loop import Engine
+
+    cases = {
+        "stop": ("the cache holds", SamplingParams(max_tokens=16, ignore_eos=True, stop=("e", "th"))),
+        "logprobs": ([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)),
+        "seeded": ("hello", SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_k=20, seed=7)),
+        "constrained": ("pick", SamplingParams(max_tokens=8, constraint=OutputConstraint.choice(["yes", "no"]))),
+    }
+    local = Engine(served.rc)
+    local.start()
+    try:
+        expected = {name: collect(local, name, *case) for name, case in cases.items()}
+    finally:
+        local.shutdown()
+    got = {name: collect(served.engine, name, *case) for name, case in cases.items()}
+    assert got == expected
+    assert "".join(o.new_text for o in got["constrained"]) in ("yes", "no")
+
+
 def test_an_abort_gives_the_blocks_back(served):
     stream = served.client.generate("tell me a long story", max_tokens=100, ignore_eos=True)
     next(stream)
