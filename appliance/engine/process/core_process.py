@@ -72,7 +72,9 @@ def fault(exc: BaseException) -> m.Fault:
 
 
 def pin_threads(cpus: set[int]) -> None:
-    """Every thread of this process (and those it starts later: they inherit it) runs on `cpus` only."""
+    """Every thread of this process (and those it starts later: they inherit it) runs on `cpus` only (Linux)."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), cpus)
@@ -170,7 +172,7 @@ class CoreProcess:
         """The preflight; then, on the host CPU, the engine's threads keep their cores and the rest go to the front
         end (each process pins itself: cpu_threads.py left those cores to the front ends in the first place)."""
         checked = self.engine.prepare()
-        if checked.backend.kind != "cpu" or world_size(self.rc.parallel) > 1:
+        if checked.backend.kind != "cpu" or world_size(self.rc.parallel) > 1 or not hasattr(os, "sched_getaffinity"):
             return m.Reply(cmd.call, prepared=m.Prepared([], [], 0))
         import torch  # loaded by the preflight already
         threads = torch.get_num_threads()
