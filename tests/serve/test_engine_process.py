@@ -219,6 +219,26 @@ def test_a_killed_core_turns_health_not_serving_and_fails_the_streams_in_flight(
         srv.client.close()
 
 
+def test_a_stopped_core_is_declared_hung_and_killed():
+    srv = InProcessServer([*OVERRIDES, "parallel.step_timeout_s=2"])
+    try:
+        stream = srv.client.generate("tell me a long story", max_tokens=100, ignore_eos=True)
+        next(stream)
+        pid = srv.engine.pid
+        os.kill(pid, signal.SIGSTOP)                  # no exit to see: only its silence tells
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "sent nothing for" in info.value.details() and "stopped" in info.value.details()
+        srv.thread.join(60)
+        assert srv.result["status"] == "failed" and "hung" in srv.result["reason"], (srv.result, srv.error)
+        wait_for(lambda: not process_alive(pid), 30, "the stopped core to be killed")
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+        srv.client.close()
+
+
 def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

@@ -16,7 +16,8 @@ RequestError, QueueFullError and EngineUnavailableError are raised here as befor
 calls each request's on_output with its deltas (the in-process engine calls it on its loop thread; the front ends
 only hand it to their event loop), resolves the replies, keeps the stats, and watches the core: a core that dies
 while serving becomes `failure` and on_failure (health NOT_SERVING, the server exits 1), and every request in flight
-ends ABORTED with that error. Startup faults in the core come back as their StartupError text, raised here: the CLI
+ends ABORTED with that error; so does a core that sends nothing, not even its idle beat, for
+parallel.step_timeout_s (stopped or stuck: it is killed). Startup faults in the core come back as their StartupError text, raised here: the CLI
 prints the same message and exits 2, as with the engine in one process.
 """
 
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -59,6 +61,7 @@ from appliance.core.tokenizer import Tokenizer, load_tokenizer_for
 from appliance.engine.process import messages as m
 from appliance.engine.process.core_process import pin_threads
 from appliance.engine.stats import EngineStats
+from npu.liveness import STATE_WORDS, state_letter  # (stdlib only: no torch here)
 
 log = logging.getLogger("appliance.engine.process.client")
 
@@ -95,6 +98,12 @@ def exit_reason(status: int) -> str:
         except ValueError:
             return f"killed by signal {-status}"
     return f"exited with status {status}"
+
+
+def state_words(pid: int) -> str:
+    """' (its process is stopped: SIGSTOP or a debugger)' and the like for a local process; '' when nothing to say."""
+    words = STATE_WORDS.get(state_letter(pid), "")
+    return f" ({words})" if words else ""
 
 
 def fault_error(fault: m.Fault) -> BaseException:
@@ -393,10 +402,15 @@ class EngineProcessClient:
         decoder = m.event_decoder()
         events, proc = self._events, self._proc
         assert events is not None and proc is not None
+        last_event = time.monotonic()
         while not self._closing.is_set():
             if events.poll(POLL_MS):
                 self._dispatch(decoder.decode(events.recv(copy=False).buffer))
+                last_event = time.monotonic()
                 continue
+            silent = time.monotonic() - last_event
+            if silent > self.rc.parallel.step_timeout_s and self.report is not None and not self._stopping:
+                self._hung(silent)
             status = proc.poll()
             if status is not None:
                 while events.poll(0):               # what it sent before it went
@@ -423,6 +437,7 @@ class EngineProcessClient:
             self._stats = event.stats
         elif isinstance(event, m.Failed):
             self._fail(event.message)
+        # (a Beat only says the core is alive: the receive loop notes the time of every event)
 
     def _fail(self, message: str) -> bool:
         """The engine stopped for good: record it and tell on_failure once (before any request hears of it)."""
@@ -434,6 +449,17 @@ class EngineProcessClient:
         if self.on_failure is not None:
             self.on_failure(message)
         return True
+
+    def _hung(self, silent_s: float) -> None:
+        """Serving, and nothing came from the core for parallel.step_timeout_s (it beats while idle): stopped
+        (SIGSTOP, a debugger) or stuck where even its sender cannot run. The engine has failed; the core is killed
+        (a stopped process too), and its exit then ends every request with this reason."""
+        pid = self._proc.pid if self._proc is not None else 0
+        state = state_words(pid)
+        self._fail(f"the engine core process (pid {pid}) sent nothing for {silent_s:.1f} s "
+                   f"(parallel.step_timeout_s={self.rc.parallel.step_timeout_s:g}){state}: it is hung; killed")
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
 
     def _core_gone(self, status: int) -> None:
         """The core process exited. Expected after Shutdown or a startup fault; while starting, the pending call

@@ -9,7 +9,8 @@
               thread of its own (they block), so aborts still get through meanwhile
     sender    the only user of the events socket: every delta the engine loop emits (on_output, on the loop thread,
               only appends to the outbox), every Reply and the stats snapshot when it changed go out in the order
-              they happened; the deltas of one wake-up (one engine step, or several) go as one Outputs message
+              they happened; the deltas of one wake-up (one engine step, or several) go as one Outputs message;
+              a Beat when nothing else went out for npu.liveness.beat_interval(parallel.step_timeout_s)
     engine    the Engine's own loop thread (and its ranks, when it spawns them: this process is their owner)
 
 It ignores SIGINT and SIGTERM (a terminal or a service manager signals the whole process group: the front end drains
@@ -111,6 +112,7 @@ class CoreProcess:
         self._aborted: set[int] = set()       # of those, aborted before they were admitted
         self._finished_early: set[int] = set()   # finished before submit() returned (not yet in _handles)
         self._pool = ThreadPoolExecutor(CONSTRAINT_WORKERS, thread_name_prefix="core-submit")
+        self._last_sent = 0.0                 # when the sender last sent anything (it beats when idle)
 
     # -- the command thread ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -232,8 +234,11 @@ class CoreProcess:
 
     # -- the sender thread -----------------------------------------------------------------------------------
     def _send_loop(self) -> None:
+        from npu.liveness import beat_interval
+        beat_s = beat_interval(self.rc.parallel.step_timeout_s)
         last_stats = None
         next_stats = 0.0
+        self._last_sent = time.monotonic()
         while True:
             self._wake.wait(STATS_EVERY_S)
             self._wake.clear()
@@ -256,11 +261,14 @@ class CoreProcess:
                     self._send(m.Stats(stats))
                     last_stats = stats
                 next_stats = now + 0.01
+            if now - self._last_sent >= beat_s:
+                self._send(m.Beat())
             if self._done.is_set() and not self._outbox:
                 return
 
     def _send(self, event: m.Event) -> None:
         self._events.send(self._encoder.encode(event), copy=False)
+        self._last_sent = time.monotonic()
 
 
 def main(argv: list[str]) -> int:

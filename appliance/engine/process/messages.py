@@ -5,7 +5,8 @@ Two sockets, one per direction (appliance/engine/process/client.py binds both, t
     front -> core   commands    Prepare, Start, Submit, Abort, Drain, Shutdown; each carries a call id, and every
                                 one but Abort is answered by a Reply with the same id
     core -> front   events      Outputs (the deltas of one or more engine steps, in order), Reply, Stats (a new
-                                snapshot, sent when it changed), Failed (the engine stopped for good: a rank died)
+                                snapshot, sent when it changed), Beat (nothing else went out for a while: alive),
+                                Failed (the engine stopped for good: a rank died)
 
 A request is named on the wire by the call id of its Submit, never by its request_id: a client may reuse a
 request_id as soon as its call ends, and an abort must reach this request, not a later one holding the same id.
@@ -108,13 +109,18 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     stats: EngineStats
 
 
+class Beat(msgspec.Struct, tag=True, frozen=True):
+    """Sent when nothing else went out for a beat interval: the core's process is alive and not stopped (the front
+    end declares it hung after parallel.step_timeout_s without any event, as the owner does a silent rank)."""
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     """The engine stopped for good (Engine.on_failure: a rank died); its requests fail with it next."""
 
     message: str
 
 
-Event = Union[Outputs, Reply, Stats, Failed]
+Event = Union[Outputs, Reply, Stats, Beat, Failed]
 
 
 def encoder() -> msgspec.msgpack.Encoder:
