@@ -121,6 +121,9 @@ class ServerSettings:
     http_max_body_bytes: int               # a bigger body is answered 413 (Content-Length or counted while read)
     http_read_timeout_s: float             # a request's headers and body must arrive within this; else closed
     http_max_connections: int              # open HTTP connections; beyond it the longest-waiting idle one is closed
+    # The engine core (scheduler, KV manager, device steps) in a process of its own, joined to the front ends by ZMQ
+    # (appliance/engine/process/); false: one process, the engine on a thread of the server's.
+    engine_process: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -292,7 +292,10 @@ def serve(rc: RuntimeConfig, engine: EngineClient | None = None, output_dir: Pat
     Before the port is bound: the TLS pair loads, then the engine's preflight (checkpoint files, backend, whether
     the weights can fit, tokenizer). Any startup fault, there or while the engine starts, raises a StartupError.
     """
-    if engine is None:
+    if engine is None and rc.server.engine_process:     # the engine core in a process of its own (ZMQ)
+        from appliance.engine.process.client import EngineProcessClient
+        engine = EngineProcessClient(rc)
+    elif engine is None:
         from appliance.engine.loop import (
             Engine,  # imported here: torch loads only when serving for real
         )

@@ -1,0 +1,9 @@
+"""The engine core in its own process (as vLLM's API server / EngineCore): the front ends talk to it over ZMQ.
+
+    client.py        EngineProcessClient: the front ends' EngineClient; starts the core, relays requests and deltas
+    core_process.py  the core's main: the in-process Engine, driven by the commands it receives
+    messages.py      the msgspec messages between them
+
+server.engine_process=true chooses it (appliance/serve/server.py: serve). Nothing here imports torch on the front
+side: only the core process loads the engine and the device plane.
+"""

@@ -1,0 +1,135 @@
+"""What the front-end process and the engine core process say to each other: msgspec Structs, MessagePack on ZMQ.
+
+Two sockets, one per direction (appliance/engine/process/client.py binds both, the core connects):
+
+    front -> core   commands    Prepare, Start, Submit, Abort, Drain, Shutdown; each carries a call id, and every
+                                one but Abort is answered by a Reply with the same id
+    core -> front   events      Outputs (the deltas of one or more engine steps, in order), Reply, Stats (a new
+                                snapshot, sent when it changed), Beat (nothing else went out for a while: alive),
+                                Failed (the engine stopped for good: a rank died)
+
+A request is named on the wire by the call id of its Submit, never by its request_id: a client may reuse a
+request_id as soon as its call ends, and an abort must reach this request, not a later one holding the same id.
+Events go out on one socket from one thread in the order they happened, so a Reply to Drain arrives after every
+delta the drain streamed. The payload types (RequestOutput, SamplingParams, StartupReport, EngineStats) are the
+engine's own frozen dataclasses, which msgspec encodes and decodes as they are: no second copy of them here.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from appliance.core.request import RequestOutput, SamplingParams
+from appliance.core.startup_report import StartupReport
+from appliance.engine.stats import EngineStats
+
+# -- front -> core ---------------------------------------------------------------------------------------------
+
+
+class Prepare(msgspec.Struct, tag=True, frozen=True):
+    """Run the preflight (appliance.engine.preflight: files, backend, runner, tokenizer); answered with Prepared."""
+
+    call: int
+
+
+class Start(msgspec.Struct, tag=True, frozen=True):
+    """Start the engine (weights, profile, plan, allocate, loop); answered with the StartupReport."""
+
+    call: int
+
+
+class Submit(msgspec.Struct, tag=True, frozen=True):
+    """A request the front end has validated and tokenized; the core admits it (or refuses: queue full...)."""
+
+    call: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    """Abort the request of Submit `call` (nothing when it has finished); its last delta still comes back."""
+
+    call: int
+
+
+class Drain(msgspec.Struct, tag=True, frozen=True):
+    """Stop admitting, let in-flight requests finish for up to grace_s, abort the rest (Engine.drain)."""
+
+    call: int
+    grace_s: float
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    """Shut the engine down and end the core process once the Reply is out."""
+
+    call: int
+
+
+Command = Union[Prepare, Start, Submit, Abort, Drain, Shutdown]
+
+# -- core -> front ---------------------------------------------------------------------------------------------
+
+
+class Fault(msgspec.Struct, frozen=True):
+    """An exception raised in the core, as the front end re-raises it (client.fault_error): `kind` picks the type,
+    `message` is its text (for a startup fault the whole user-facing message), `field` a RequestError's field."""
+
+    kind: str            # startup | request | queue_full | unavailable | error
+    message: str
+    type_name: str = ""  # the class raised in the core (a StartupError subclass keeps its name: sweeps classify it)
+    field: str | None = None
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """What the preflight decided that the front end needs: the CPUs left to it (the core pinned its threads to the
+    others; empty: nothing pinned) and the engine's intra-op threads."""
+
+    front_cpus: list[int]
+    core_cpus: list[int]
+    threads: int
+
+
+class Reply(msgspec.Struct, tag=True, frozen=True):
+    call: int
+    error: Fault | None = None
+    report: StartupReport | None = None      # to Start
+    prepared: Prepared | None = None         # to Prepare
+
+
+class Outputs(msgspec.Struct, tag=True, frozen=True):
+    """Deltas in the order the engine emitted them: (call id of the request's Submit, the delta)."""
+
+    items: list[tuple[int, RequestOutput]]
+
+
+class Stats(msgspec.Struct, tag=True, frozen=True):
+    stats: EngineStats
+
+
+class Beat(msgspec.Struct, tag=True, frozen=True):
+    """Sent when nothing else went out for a beat interval: the core's process is alive and not stopped (the front
+    end declares it hung after parallel.step_timeout_s without any event, as the owner does a silent rank)."""
+
+
+class Failed(msgspec.Struct, tag=True, frozen=True):
+    """The engine stopped for good (Engine.on_failure: a rank died); its requests fail with it next."""
+
+    message: str
+
+
+Event = Union[Outputs, Reply, Stats, Beat, Failed]
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def command_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Command)
+
+
+def event_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Event)
