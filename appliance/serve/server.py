@@ -487,7 +487,7 @@ def serve(rc: RuntimeConfig, engine: EngineClient | None = None, output_dir: Pat
     the weights can fit, tokenizer). Any startup fault, there or while the engine starts, raises a StartupError.
     """
     if engine is None:
-        from appliance.engine.loop import (
+        from appliance.engine.engine import (
             Engine,  # imported here: torch loads only when serving for real
         )
         engine = Engine(rc)

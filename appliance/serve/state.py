@@ -1,7 +1,7 @@
 """What the two front ends (gRPC and HTTP) share: the server's state and the engine interface they drive.
 
 Both read one ServerState, so health, admission and shutdown agree; both drive the engine through EngineClient,
-which the Engine (appliance/engine/loop.py) and the server tests' stand-in both provide.
+which the Engine (appliance/engine/engine.py) and the server tests' stand-in both provide.
 """
 
 from __future__ import annotations

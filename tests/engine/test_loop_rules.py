@@ -1,4 +1,4 @@
-"""Stop-string matching and hold-back of the real engine at their edges (appliance/engine/loop.py `_append`),
+"""Stop-string matching and hold-back of the real engine at their edges (appliance/engine/output.py),
 written against the mutants docs/TESTING.md lists. The model is the scripted runner of test_stop_rules.py,
 so the text is known; expected figures come from the tokenizer's plain decode and str.find.
 

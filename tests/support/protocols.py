@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from appliance.serve.state import EngineClient
 from npu.device_group import DeviceGroup
 from npu.runner import ModelRunner
