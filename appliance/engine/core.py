@@ -1,8 +1,8 @@
 """The engine core: one thread that owns the scheduler, the KV manager, the device runner and the sampler, and loops.
 
 States: built (on its own thread: EngineCore.launch, which runs the device launch there too) -> looping -> stopped
-(shutdown), or failed (the device plane is lost for good: every request it holds ends ABORTED naming the failure,
-none is added after). Callers never touch its parts: they put requests in its inbox (add, abort, flush, wake),
+(shutdown: after its current step; every request it still holds ends ABORTED), or failed (the device plane is lost
+for good: every request it holds ends ABORTED naming the failure, none is added after). Callers never touch its parts: they put requests in its inbox (add, abort, flush, wake),
 which the loop reads in order.
 
 Each iteration publishes the live figures, takes the inbox (blocking while there is no work), then steps:
@@ -145,8 +145,7 @@ class EngineCore:
             if scheduled:
                 for seq in self._run_step(scheduled):
                     self._live.pop(seq.request_id, None)
-        if self.requests.failure is not None:
-            self._fail_all(self.requests.failure)
+        self._end_all(self.requests.failure)
 
     def _take_inbox(self, wait: bool) -> None:
         """Handle every item in the inbox, in order; first wait for one when `wait`."""
@@ -168,18 +167,21 @@ class EngineCore:
         self.scheduler.add(seq)
         self.outputs.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.on_output)
 
-    def _fail_all(self, failure: str) -> None:
-        """After the failure: the requests still in the inbox join the loop's (none is added after), and all end."""
-        while not self._inbox.empty():
-            kind, item = self._inbox.get_nowait()
-            if kind == "add" and isinstance(item, Sequence):
-                self._add(item)
-            elif kind == "flush" and isinstance(item, threading.Event):
-                item.set()
+    def _end_all(self, failure: str | None) -> None:
+        """After the loop (shutdown, or the failure): every request it holds ends ABORTED (with the failure, if
+        any). After a failure the requests still in the inbox join them first: none can be added after it."""
+        if failure is not None:
+            while not self._inbox.empty():
+                kind, item = self._inbox.get_nowait()
+                if kind == "add" and isinstance(item, Sequence):
+                    self._add(item)
+                elif kind == "flush" and isinstance(item, threading.Event):
+                    item.set()
         for seq in list(self._live.values()):
             seq.error = failure
             self._finish_aborted(seq)
-        self._publish_stats()
+        if failure is not None:
+            self._publish_stats()
 
     def _run_step(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
         """Run one step; a failing step is retried one sequence at a time so a bad request fails alone. The
