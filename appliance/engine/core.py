@@ -222,15 +222,13 @@ class EngineCore:
                 out.write(f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500] + "\n")
 
     def _step(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
-        """execute -> sample -> update -> output for the scheduled rows; the sequences that finished."""
+        """One step of the scheduled rows: execute -> sample -> update -> output; the sequences that finished."""
         step = build_step(scheduled, self.kv, new_pages)
         masks = self._start_masks([s.seq for s in step.drawn])         # filled while the model step runs
         logits = self._execute(step)
         sampled, refused = self._sample(step, logits, masks)
-        first = {id(s.seq) for s in step.samplers if not s.seq.output_token_ids}
-        updates = self.scheduler.update_from_output(step.scheduled, {k: v[0] for k, v in sampled.items()}, refused)
-        record_speculation(self.stats, step.scheduled, [(s, sampled[s.seq.request_id][0]) for s in step.samplers])
-        return self._output(step, updates, sampled, first)
+        updates = self._update(step, sampled, refused)
+        return self._output(updates, sampled)
 
     def _execute(self, step: StepInput) -> torch.Tensor:
         """The step's logits: one batch per KV partition (data-parallel rank), returned in partition order."""
@@ -261,8 +259,14 @@ class EngineCore:
             emitted[id(s.seq)] = ([token], [logprob])
         return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers}, refused
 
-    def _output(self, step: StepInput, updates: list[SeqUpdate], sampled: dict[str, Emitted],
-                first: set[int]) -> list[Sequence]:
+    def _update(self, step: StepInput, sampled: dict[str, Emitted], refused: dict[str, str]) -> list[SeqUpdate]:
+        """Commit the step and apply the core's stop rules (Scheduler.update_from_output); count the kept drafts."""
+        updates = self.scheduler.update_from_output(
+            step.scheduled, {request_id: tokens for request_id, (tokens, _) in sampled.items()}, refused)
+        record_speculation(self.stats, step.scheduled, [(s, sampled[s.seq.request_id][0]) for s in step.samplers])
+        return updates
+
+    def _output(self, updates: list[SeqUpdate], sampled: dict[str, Emitted]) -> list[Sequence]:
         """Hand each sampling row's committed tokens to output processing; finish the sequences that ended (a core
         rule, or a stop string found there); count the step; then deliver the outputs. The finished sequences."""
         core_outputs = []
@@ -270,6 +274,7 @@ class EngineCore:
             tokens, logprobs = sampled[u.seq.request_id]
             core_outputs.append(self._core_output(u.seq, tokens[:u.num_new], logprobs[:u.num_new], u.finish_reason))
         processed = self.outputs.process_outputs(core_outputs)
+        first = {id(u.seq) for u in updates if len(u.seq.output_token_ids) == u.num_new}   # no token before this step
         finished, appended = [], 0
         for u in updates:
             kept = processed.stopped.get(u.seq.request_id)
@@ -278,7 +283,7 @@ class EngineCore:
             if reason is not None:
                 self._free(u.seq, reason)
                 finished.append(u.seq)
-        self._record_tokens([s.seq for s in step.samplers], first, appended)
+        self._record_tokens([u.seq for u in updates], first, appended)
         processed.deliver()
         return finished
 
