@@ -136,6 +136,8 @@ class EngineCore:
 
     # -- the loop (its thread) ------------------------------------------------------------------------
     def run(self) -> None:
+        """Loop on the core's thread until shutdown or the failure: publish the figures, take the inbox, schedule,
+        and step (execute -> sample -> update -> output); then end what is left (_end_all)."""
         while not self._stop.is_set() and self.requests.failure is None:
             self._publish_stats()
             self._take_inbox(wait=not self.scheduler.has_work())   # idle: block until a request (or shutdown)
