@@ -58,9 +58,9 @@ MUTMUT = mutmut run --max-children $(MUTATION_JOBS)
 REQUEST_TESTS ?= tests/core/test_request.py tests/core/test_request_limits.py tests/core/test_constraint.py
 SAMPLER_TESTS ?= tests/npu/test_sampler.py tests/npu/test_sampler_rows.py tests/npu/test_sampler_mask.py
 LOOP_TESTS ?= tests/engine/test_stop_rules.py tests/engine/test_engine_faults.py tests/engine/test_loop_rules.py \
-	tests/engine/test_loop_partitions.py tests/engine/test_loop_retry.py
+	tests/engine/test_loop_partitions.py tests/engine/test_loop_retry.py tests/engine/test_output_processor.py
 SCHEDULER_TESTS ?= tests/engine/test_scheduler.py tests/engine/test_scheduler_limits.py \
-	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py
+	tests/engine/test_scheduler_edges.py tests/engine/test_scheduler_partitions.py tests/engine/test_update_from_output.py
 KV_TESTS ?= tests/engine/test_kv_cache_manager.py tests/engine/test_kv_cache_manager_props.py \
 	tests/engine/test_page_table.py tests/engine/test_kv_pages.py tests/engine/test_block_pool.py \
 	tests/engine/test_block_pool_model.py
@@ -77,9 +77,10 @@ mutation-request:
 mutation-sampler:
 	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SAMPLER_TESTS)" $(MUTMUT) 'npu.sampler.*'
 mutation-loop:       # the stop rules and the step around them, not startup or the thread plumbing
-	MUTATION_TIMEOUT_S=45 MUTATION_TESTS="$(LOOP_TESTS)" $(MUTMUT) 'appliance.engine.loop.xǁEngineǁ_append__*' \
-		'appliance.engine.loop.xǁEngineǁ_finish__*' 'appliance.engine.loop.xǁEngineǁ_execute__*' \
-		'appliance.engine.loop.xǁEngineǁ_run_step__*'
+	MUTATION_TIMEOUT_S=45 MUTATION_TESTS="$(LOOP_TESTS)" $(MUTMUT) 'appliance.engine.output.*' \
+		'appliance.engine.step_input.*' 'appliance.engine.core.xǁEngineCoreǁ_step__*' \
+		'appliance.engine.core.xǁEngineCoreǁ_sample__*' 'appliance.engine.core.xǁEngineCoreǁ_output__*' \
+		'appliance.engine.core.xǁEngineCoreǁ_free__*' 'appliance.engine.core.xǁEngineCoreǁ_run_step__*'
 mutation-scheduler:
 	MUTATION_TIMEOUT_S=120 MUTATION_TESTS="$(SCHEDULER_TESTS)" $(MUTMUT) 'appliance.engine.scheduler.*'
 mutation-kv:

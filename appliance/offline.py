@@ -10,7 +10,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.config import RuntimeConfig
 from appliance.core.request import CompletionResult, RequestOutput, SamplingParams
 from appliance.core.startup_report import StartupReport
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 
 _ids = itertools.count()
 

@@ -107,7 +107,7 @@ def submit_all(engine, batch, name: str) -> Result:
 @contextlib.contextmanager
 def in_process_engine(rc, warmup):
     """A started, warmed-up Engine in this process, shut down on exit."""
-    from appliance.engine.loop import Engine
+    from appliance.engine.engine import Engine
 
     engine = Engine(rc)
     engine.start()

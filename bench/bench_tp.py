@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import LoadWatch, add_runs_argument, interleave, spread  # noqa: E402
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
-from appliance.engine.loop import Engine  # noqa: E402
+from appliance.engine.engine import Engine  # noqa: E402
 from appliance.modes.bench import run_workload, seeded_workload  # noqa: E402
 from npu.collectives import Collective  # noqa: E402
 from npu.ranks import RankGroup  # noqa: E402

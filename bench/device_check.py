@@ -113,7 +113,7 @@ def load_command(args: argparse.Namespace) -> dict:
     import torch
 
     from appliance.config.compose import load_runtime_config
-    from appliance.engine.loop import Engine
+    from appliance.engine.engine import Engine
     from appliance.modes.bench import run_workload
 
     rc = load_runtime_config([*args.overrides, f"npu_memory_utilization={args.util}"])

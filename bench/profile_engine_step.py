@@ -42,7 +42,7 @@ from peer_workers import appliance_overrides  # noqa: E402 (bench/: the script d
 
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.core.tokenizer import IncrementalDetokenizer  # noqa: E402
-from appliance.engine.loop import Engine  # noqa: E402
+from appliance.engine.engine import Engine  # noqa: E402
 from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
 

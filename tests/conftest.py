@@ -25,7 +25,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # Every engine step that raises is retried one request at a time, which keeps serving and so can hide a broken
 # batch behind right tokens. Engines of this process and of the servers and ranks it starts (they inherit the
-# variable) append each failed step to one file (appliance.engine.loop.FAILED_STEPS_FILE, named here so that
+# variable) append each failed step to one file (appliance.engine.core.FAILED_STEPS_FILE, named here so that
 # collecting torch-free tests does not import the engine); a test during which a line was added fails, unless it
 # makes steps fail on purpose (@pytest.mark.expects_failed_steps).
 FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"

@@ -1,7 +1,7 @@
 """Structured output in the engine: one llguidance matcher per constrained sequence, and the token bitmask of a step.
 
-A matcher follows the tokens a sequence has committed (appliance.engine.loop advances it as each sampled token is
-appended), never the tokens a step computes: a preempted sequence re-prefills its prompt and outputs without
+A matcher follows the tokens a sequence has committed (Scheduler.update_from_output advances it as each sampled token
+is appended), never the tokens a step computes: a preempted sequence re-prefills its prompt and outputs without
 touching its matcher, so its grammar state survives recompute. Each of n choices is its own sequence with its own
 matcher. The bitmask is built on the host (one bit per vocabulary id, 32 ids per int32 word, llguidance's layout)
 only for the rows that have a matcher; the sampler (npu.sampler.apply_token_bitmask) masks those rows' logits.

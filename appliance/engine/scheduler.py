@@ -10,16 +10,23 @@ ring caches), max_num_seqs running at once, and decode_batch one-token rows per 
 A request is admitted only when the KvCacheManager gives every cache group its pages atomically; when pages
 run out while running, the newest running request is preempted (blocks freed, recomputed later) and
 waiting requests are readmitted in arrival order, so none starves.
+
+After the step, update_from_output commits what it computed and sampled, and applies the stop rules the core
+owns (EOS, stop token ids, a grammar's end or refusal, the length limits); stop strings are output processing's.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Mapping
+from typing import Sequence as Seq
 
 from appliance.core.config import RuntimeConfig
+from appliance.core.constraint import library_reason
+from appliance.core.request import FinishReason
 from appliance.core.step_limits import step_limits
-from appliance.engine.kv_cache_manager import KvCapacityError
+from appliance.engine.kv_cache_manager import KvCacheManager, KvCapacityError
 from appliance.engine.sequence import SeqStatus, Sequence
 
 
@@ -35,9 +42,22 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True)
+class SeqUpdate:
+    """A sampling row after update_from_output: the first num_new of its sampled tokens were appended to it (a stop
+    rule ends the row at its token), and finish_reason says why it finished (None: it goes on). ABORTED: its
+    grammar refused it (seq.error and seq.error_field say why)."""
+
+    seq: Sequence
+    num_new: int
+    finish_reason: FinishReason | None = None
+
+
 class Scheduler:
-    def __init__(self, rc: RuntimeConfig, kv_cache_manager):
+    def __init__(self, rc: RuntimeConfig, kv_cache_manager: KvCacheManager, eos_token_id: int | None = None):
+        """eos_token_id: the token that ends a request (unless it asked ignore_eos); None: none does."""
         self.kv = kv_cache_manager
+        self.eos_token_id = eos_token_id
         self.limits = step_limits(rc)
         self.block_size = rc.block_size
         self.max_model_len = rc.max_model_len
@@ -180,3 +200,65 @@ class Scheduler:
         for item in scheduled:
             item.seq.last_scheduled_step = self.step
         return scheduled
+
+    def update_from_output(self, scheduled: list[ScheduledSeq], sampled: Mapping[str, Seq[int]],
+                           refused: Mapping[str, str]) -> list[SeqUpdate]:
+        """Commit a step, then apply the core's stop rules to each sampling row, in `scheduled` order.
+
+        sampled: the new tokens of every sampling row by request id (a verifying row: its accepted drafts and one
+        more); refused: the rows whose grammar mask could not be computed, with why (their token is dropped).
+        Every scheduled sequence first gets its computed tokens (and a verifying row its kept drafts, whose KV is
+        written) committed, here and in the KV manager. Then each row's tokens are appended in order until one
+        ends it: its grammar refuses it (ABORTED), EOS (unless ignore_eos), a stop token id, the grammar's end
+        (STOP: the token is output), max_tokens or max_model_len (LENGTH). Finished sequences stay scheduled until
+        the engine removes them (remove)."""
+        samplers = [s for s in scheduled if s.samples]     # (before the commit, which moves what samples reads)
+        for s in scheduled:
+            accepted = list(sampled[s.seq.request_id][:-1]) if s.num_draft else []
+            s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
+            self.kv.commit(s.seq.request_id, s.seq.num_computed_tokens,
+                           s.seq.token_ids + accepted if accepted else None)
+        updates = []
+        for s in samplers:
+            seq = s.seq
+            if seq.request_id in refused:
+                self._refuse(seq, refused[seq.request_id])
+                updates.append(SeqUpdate(seq, 0, FinishReason.ABORTED))
+                continue
+            new = sampled[seq.request_id]
+            for i, token in enumerate(new):
+                reason = self._append(seq, token)
+                if reason is not None:
+                    updates.append(SeqUpdate(seq, i + 1, reason))
+                    break
+            else:
+                updates.append(SeqUpdate(seq, len(new)))
+        return updates
+
+    def _append(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Append one sampled token; why it ends the sequence, if it does."""
+        p = seq.params
+        seq.append_token(token)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.accept(token):    # the mask allowed it: the library hit one of its limits
+                self._refuse(seq, f"the grammar library stopped it at output token {len(seq.output_token_ids)}: "
+                                  f"{library_reason(seq.matcher.error())}")
+                return FinishReason.ABORTED
+            grammar_done = seq.matcher.terminated
+        if token == self.eos_token_id and not p.ignore_eos:
+            return FinishReason.EOS
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+        if grammar_done:                      # the grammar's last token is output: it keeps its text
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _refuse(seq: Sequence, why: str) -> None:
+        """A constrained request whose grammar the library gave up on: the request's fault, not the engine's (the
+        front ends answer 400 / INVALID_ARGUMENT naming its field)."""
+        seq.error = why
+        seq.error_field = seq.params.constraint.field if seq.params.constraint is not None else "constraint"

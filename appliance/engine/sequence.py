@@ -1,4 +1,8 @@
-"""A request as the engine tracks it: tokens, progress through prefill and decode, sampling, streaming."""
+"""A request as the engine core tracks it: tokens, progress through prefill and decode, sampling, how it ended.
+
+Its text (detokenizing, stop strings, hold-back) and its RequestOutputs are output processing's (output.py): on_output
+is handed to it when the core adds the request.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from enum import Enum
 from typing import Callable
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
-from appliance.core.tokenizer import IncrementalDetokenizer
 from appliance.engine.grammar import GrammarMatcher
 
 _arrival = itertools.count()
@@ -27,7 +30,6 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(prompt_token_ids)   # prompt + outputs, kept in step (read every step)
-        self.detokenizer: IncrementalDetokenizer | None = None   # set by the engine: each new token's text delta
         self.params = params
         self.on_output = on_output
         self.arrival = next(_arrival)
@@ -41,11 +43,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.error_field: str | None = None  # set with error when the request's own field is at fault (its grammar)
-        self.text = ""                     # detokenized output so far
-        self.num_text_emitted = 0          # characters of text already streamed
-        # Logprobs asked for: of each output token, and of each prompt token (None for the first); filled in order
-        # (a preempted request recomputes its prompt but keeps those already computed).
-        self.output_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # Prompt logprobs asked for: of each prompt token (None for the first); filled in order (a preempted request
+        # recomputes its prompt but keeps those already computed), handed on once all are known.
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
@@ -61,11 +60,9 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        if self.output_logprobs is not None and logprob is not None:
-            self.output_logprobs.append(logprob)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,20 +75,10 @@ class Sequence:
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, len(self.output_token_ids), self.num_cached_prompt_tokens)
 
-    def emit(self, new_token_ids: list[int], new_text: str) -> None:
-        """Stream a delta: the new tokens' logprobs (the last ones appended) when asked for, and the prompt's once,
-        on the first delta after they are all known."""
-        finished = self.finish_reason is not None
-        logprobs = None
-        if self.output_logprobs is not None:
-            logprobs = tuple(self.output_logprobs[len(self.output_logprobs) - len(new_token_ids):])
-        prompt_logprobs = None
-        if (self.prompt_logprobs is not None and not self.prompt_logprobs_sent
-                and len(self.prompt_logprobs) == self.num_prompt_tokens):
-            prompt_logprobs, self.prompt_logprobs_sent = tuple(self.prompt_logprobs), True
-        self.on_output(RequestOutput(
-            request_id=self.request_id, new_token_ids=tuple(new_token_ids), new_text=new_text,
-            finish_reason=self.finish_reason, usage=self.usage() if finished else None, error=self.error,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            prompt_token_ids=None if prompt_logprobs is None else tuple(self.prompt_token_ids),
-            error_field=self.error_field))
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt logprobs, once: on the first call after they are all known (None before, after, or unasked)."""
+        if (self.prompt_logprobs is None or self.prompt_logprobs_sent
+                or len(self.prompt_logprobs) != self.num_prompt_tokens):
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)

@@ -11,7 +11,7 @@ from typing import Any
 
 from appliance.core.config import RuntimeConfig
 from appliance.core.request import SamplingParams
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from appliance.engine.stats import EngineStats
 from appliance.modes.results import write_result
 

@@ -296,7 +296,7 @@ def serve(rc: RuntimeConfig, engine: EngineClient | None = None, output_dir: Pat
         from appliance.engine.process.client import EngineProcessClient
         engine = EngineProcessClient(rc)
     elif engine is None:
-        from appliance.engine.loop import (
+        from appliance.engine.engine import (
             Engine,  # imported here: torch loads only when serving for real
         )
         engine = Engine(rc)

@@ -1,7 +1,7 @@
 """What the two front ends (gRPC and HTTP) read: the server's state and the engine interface they drive.
 
 Both read one ServerState, so health, admission and shutdown agree; both drive the engine through EngineClient,
-which the Engine (appliance/engine/loop.py), the server tests' stand-in and an out-of-process client all provide.
+which the Engine (appliance/engine/engine.py), the server tests' stand-in and an out-of-process client all provide.
 Everything a front end reads is declared here, so that a front end never probes for an attribute.
 """
 

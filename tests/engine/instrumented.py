@@ -13,10 +13,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-import appliance.engine.loop as engine_loop
+import appliance.engine.engine as engine_module
 from appliance.core.config import ModelSpec, RuntimeConfig
 from appliance.core.startup_report import StartupReport
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from npu.launcher import launch
 from npu.registry import runner_class
 from npu.runner import ModelRunner
@@ -29,16 +29,16 @@ HOLD_TIMEOUT_S = 60      # a held step goes on by itself after this long, so a f
 @contextlib.contextmanager
 def runner_for_engine(runner: ModelRunner) -> Iterator[None]:
     """While open, every Engine.start() launches on `runner` (instead of one it built or was given)."""
-    original = engine_loop.launch
+    original = engine_module.launch
 
     def launch_on_runner(rc: RuntimeConfig, backend=None, _runner=None):
         return launch(rc, backend, runner)
 
-    engine_loop.launch = launch_on_runner
+    engine_module.launch = launch_on_runner
     try:
         yield
     finally:
-        engine_loop.launch = original
+        engine_module.launch = original
 
 
 class StepHooks:

@@ -1,4 +1,4 @@
-"""Structured output in the engine (appliance/engine/grammar.py, loop.py): constrained requests produce only what
+"""Structured output in the engine (appliance/engine/grammar.py, core.py, scheduler.py): constrained requests produce only what
 their grammar allows and finish with stop when it is complete; unconstrained requests beside them keep their
 greedy tokens; a matcher survives preemption and is freed when its request finishes or is aborted."""
 
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-import appliance.engine.loop as engine_loop
+import appliance.engine.engine as engine_module
 from appliance.config.compose import load_runtime_config
 from appliance.core.constraint import OutputConstraint
 from appliance.core.request import FinishReason, RequestError, SamplingParams
@@ -193,7 +193,7 @@ def test_masks_land_on_their_own_rows_across_data_parallel_ranks(monkeypatch):
                               "parallel.data_parallel_size=2", "kv_cache.num_slots_override=4", "max_num_seqs=8",
                               "enable_prefix_caching=false"])
     runner = PartitionedScriptedRunner(rc.model)
-    monkeypatch.setattr(engine_loop, "start_ranks", lambda rc, backend, _runner: engine_loop.launch(rc, backend))
+    monkeypatch.setattr(engine_module, "start_ranks", lambda rc, backend, _runner: engine_module.launch(rc, backend))
     engine = HookedEngine(rc, runner)
     runner.engine = engine
     engine.start()

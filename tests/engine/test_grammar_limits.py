@@ -16,8 +16,8 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.constraint import OutputConstraint
 from appliance.core.request import FinishReason, RequestError, SamplingParams
 from appliance.core.tokenizer import Tokenizer
+from appliance.engine.engine import Engine
 from appliance.engine.grammar import COMPILE_THREADS, GrammarCompiler
-from appliance.engine.loop import Engine
 from tests.core.test_grammar_bounds import rule_chain
 
 LITERAL = "x" * 200_000      # a forced literal: every mask walks it (tens of ms), far over a 1 ms budget

@@ -1,4 +1,4 @@
-"""The engine step over data-parallel ranks (appliance/engine/loop.py `_execute`), without processes: the rank
+"""The engine step over data-parallel ranks (appliance/engine/step_input.py, core.py `_execute`), without processes: the rank
 group is replaced by a scripted runner whose execute_partitions runs each rank's batch and concatenates the
 logits, as DeviceGroup does. Written against the mutants docs/TESTING.md lists.
 
@@ -18,7 +18,8 @@ import threading
 
 import torch
 
-import appliance.engine.loop as engine_loop
+import appliance.engine.core as engine_core
+import appliance.engine.engine as engine_module
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from npu.step import StepBatch
@@ -53,13 +54,13 @@ def test_each_rank_steps_its_own_requests_and_each_request_gets_its_own_tokens(m
     runner = HookedPartitionedRunner(rc.model)
     runner.steps, runner.announced, runner.fail_from = [], [], {}
     runner.hold, runner.held, runner.release = threading.Event(), threading.Event(), threading.Event()
-    # One process stands for both ranks: start_ranks launches on the scripted runner (engine_loop.launch is the
+    # One process stands for both ranks: start_ranks launches on the scripted runner (engine_module.launch is the
     # HookedEngine's, which uses it).
-    monkeypatch.setattr(engine_loop, "start_ranks", lambda rc, backend, _runner: engine_loop.launch(rc, backend))
+    monkeypatch.setattr(engine_module, "start_ranks", lambda rc, backend, _runner: engine_module.launch(rc, backend))
     engine = HookedEngine(rc, runner)
     runner.engine = engine
     engine.start()
-    caplog.set_level(logging.ERROR, logger=engine_loop.__name__)
+    caplog.set_level(logging.ERROR, logger="appliance.engine")
     try:
         vocab = rc.model.layout.vocab_size
         scripts = {f"r{i}": ([3 + i, 40 + i, 90 + 2 * i][: 1 + i % 3],
@@ -87,7 +88,7 @@ def test_each_rank_steps_its_own_requests_and_each_request_gets_its_own_tokens(m
         assert engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
     finally:
         engine.shutdown()
-    assert not [r.getMessage() for r in caplog.records if r.name == engine_loop.__name__]
+    assert not [r.getMessage() for r in caplog.records if r.name in (engine_core.__name__, engine_module.__name__)]
     steps = runner.rank_batches
     assert steps and all(len(step) == 2 for step in steps)
     assert any(len(step[0]) >= 3 and len(step[1]) >= 3 for step in steps)     # the six shared a step

@@ -1,4 +1,4 @@
-"""A failing engine step and its one-by-one retry (appliance/engine/loop.py `_run_step`), on the scripted runner
+"""A failing engine step and its one-by-one retry (appliance/engine/core.py `_run_step`), on the scripted runner
 with step hooks, so what each request receives is known. Written against the mutants docs/TESTING.md lists.
 
 - The failure is logged once, at ERROR with its traceback, naming how many sequences the failed step held
@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-import appliance.engine.loop as engine_loop
+import appliance.engine.core as engine_core
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, SamplingParams
 from tests.conftest import failed_steps_since_last_look
@@ -47,7 +47,7 @@ def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgo
     runner = HookedScriptedRunner(rc.model)
     engine = HookedEngine(rc, runner)
     engine.start()
-    caplog.set_level(logging.ERROR, logger=engine_loop.__name__)
+    caplog.set_level(logging.ERROR, logger=engine_core.__name__)
     try:
         for rid, outputs in {"gate": [8, 9, 10, 11, 12], "a": [20], "b": [21], "poison": [22]}.items():
             runner.script(rid, [5, 6, 7], outputs)
@@ -78,7 +78,7 @@ def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgo
 
     failed = [rows for rows, (_, raised) in zip(runner.steps, runner.announced) if raised]
     assert len(failed[0]) == 4 and {r[0] for r in failed[0]} == {"gate", "a", "b", "poison"}
-    records = [r for r in caplog.records if r.name == engine_loop.__name__]
+    records = [r for r in caplog.records if r.name == engine_core.__name__]
     assert len(records) == 1 and records[0].levelno == logging.ERROR and records[0].exc_info
     assert records[0].getMessage() == "engine step failed; retrying its 4 sequences one by one"
 

@@ -1,4 +1,4 @@
-"""Stop-string matching and hold-back of the real engine at their edges (appliance/engine/loop.py `_append`),
+"""Stop-string matching and hold-back of the real engine at their edges (appliance/engine/output.py),
 written against the mutants docs/TESTING.md lists. The model is the scripted runner of test_stop_rules.py,
 so the text is known; expected figures come from the tokenizer's plain decode and str.find.
 
@@ -18,7 +18,8 @@ import pytest
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams
-from tests.engine.instrumented import HookedEngine, ScriptedRunner
+from tests.engine.instrumented import HookedEngine, ScriptedRunner, loop_held
+from tests.engine.test_loop_retry import HookedScriptedRunner
 from tests.engine.test_stop_rules import PROMPT_TEXT, TEXT, engine, generate, pieces  # noqa: F401 - a fixture
 from tests.support.kv import free_blocks, total_blocks
 
@@ -116,6 +117,34 @@ def test_a_finished_request_gets_no_second_final_output_at_shutdown():
     finally:
         eng.shutdown()
     assert handle.outputs.empty()
+
+
+def test_a_request_still_running_at_shutdown_ends_aborted_and_gives_back_its_blocks():
+    """Shutdown during a step: once the step ends, the loop stops and ends what it still holds (ABORTED, no error),
+    freeing its blocks (a server's drain relies on it: tests/serve/test_server_engine_drain.py)."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2"])
+    runner = HookedScriptedRunner(rc.model)
+    eng = HookedEngine(rc, runner)
+    eng.start()
+    stopping = threading.Thread(target=eng.shutdown)
+    try:
+        prompt = eng.tokenizer.encode(PROMPT_TEXT)
+        handle = eng.submit("running", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+        deltas = [handle.outputs.get(timeout=60)]
+        with loop_held(runner):            # the loop waits inside one of its steps
+            stopping.start()
+            while eng.ready:
+                time.sleep(0.01)
+            time.sleep(0.2)                # (shutdown stops the loop right after it stops admitting)
+        while not deltas[-1].finished:
+            deltas.append(handle.outputs.get(timeout=60))
+        stopping.join(60)
+    finally:
+        if not stopping.is_alive():
+            eng.shutdown()
+    assert deltas[-1].finish_reason is FinishReason.ABORTED and deltas[-1].error is None
+    assert 1 <= deltas[-1].usage.completion_tokens < 40
+    assert free_blocks(eng) == total_blocks(eng) and handle.outputs.empty()
 
 
 def test_a_seeded_request_draws_the_same_tokens_when_its_id_is_reused(engine):  # noqa: F811

@@ -16,7 +16,7 @@ import torch
 from appliance.config.compose import load_runtime_config
 from appliance.core.errors import CheckpointError, StartupError
 from appliance.core.planner import InsufficientMemoryError
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from appliance.engine.preflight import preflight
 from npu.backends import CpuBackend
 from tests.conftest import REPO

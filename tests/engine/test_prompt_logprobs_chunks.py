@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_prompt_chunks_with_prompt_logprobs_and_no_sampled_row_need_no_retry(caplog):
-    with caplog.at_level(logging.ERROR, logger="appliance.engine.loop"):
+    with caplog.at_level(logging.ERROR, logger="appliance.engine.core"):
         with Appliance.from_config(["device=cpu", "device.cpu_threads=1"]) as app:
             (result,) = app.generate([list(range(3, 103))],     # 100 tokens: chunks of 32 (tokens_in_flight)
                                      SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))

@@ -1,5 +1,6 @@
-"""Stop conditions of the real engine (appliance/engine/loop.py): stop strings, EOS, stop token ids,
-max_tokens and max_model_len, with the model replaced by a scripted runner so the generated text is known.
+"""Stop conditions of the real engine (appliance/engine/scheduler.py update_from_output, output.py): stop strings,
+EOS, stop token ids, max_tokens and max_model_len, with the model replaced by a scripted runner so the generated
+text is known.
 
 Expected texts are computed here with the tokenizer's plain decode of the scripted ids and str.find, never
 read back from the engine; streamed deltas must concatenate to exactly the final text, so no delta ever

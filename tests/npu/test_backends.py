@@ -12,7 +12,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.core.config import DeviceSettings
 from appliance.core.planner import InsufficientMemoryError
 from appliance.core.request import SamplingParams
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from npu.backends import (
     BackendUnavailableError,
     CpuBackend,

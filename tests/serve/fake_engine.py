@@ -1,4 +1,4 @@
-"""An engine stand-in for server tests: the engine's interface (appliance/engine/loop.py) with a byte-level
+"""An engine stand-in for server tests: the engine's interface (appliance/engine/engine.py) with a byte-level
 tokenizer, a step thread and per-request block accounting, so every fault path of the server runs in-process in a
 few seconds. Requests are validated by the engine's own `validate_request`."""
 

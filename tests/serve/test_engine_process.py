@@ -132,7 +132,7 @@ def test_every_sampling_field_crosses_to_the_core(served):
     """Stop strings, logprobs, prompt logprobs, seeded sampling and an output constraint: the core's deltas equal the
     in-process engine's, delta for delta (the fields travel in the messages as the engine's own dataclasses)."""
     from appliance.core.constraint import OutputConstraint
-    from appliance.engine.loop import Engine
+    from appliance.engine.engine import Engine
 
     cases = {
         "stop": ("the cache holds", SamplingParams(max_tokens=16, ignore_eos=True, stop=("e", "th"))),

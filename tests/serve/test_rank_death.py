@@ -99,7 +99,7 @@ class HeldShutdown(ApplianceServer):
 
 
 def test_a_killed_rank_fails_health_and_requests_and_the_server_stops(monkeypatch, one_torch_thread):
-    from appliance.engine.loop import Engine
+    from appliance.engine.engine import Engine
 
     rc = load_runtime_config(DP2_EP2 + ["server.port=0", "server.http_port=0"])
     monkeypatch.setattr("tests.serve.test_server.ApplianceServer", HeldShutdown)

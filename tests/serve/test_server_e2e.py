@@ -21,7 +21,7 @@ import pytest
 from appliance.client import ApplianceClient  # noqa: E402
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from appliance.core.request import FinishReason, SamplingParams  # noqa: E402
-from appliance.engine.loop import Engine  # noqa: E402
+from appliance.engine.engine import Engine  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
 from appliance.serve.api import appliance_pb2 as pb  # noqa: E402
 from appliance.serve.convert import generate_request  # noqa: E402

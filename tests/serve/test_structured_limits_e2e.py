@@ -17,7 +17,7 @@ from tokenizers import models, pre_tokenizers
 
 from appliance.config.compose import load_runtime_config
 from appliance.core.constraint import OutputConstraint
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from appliance.serve.convert import generate_request
 from tests.core.test_grammar_bounds import ref_chain, rule_chain
 from tests.serve.test_server import Running, rpc_error, wait_for

@@ -9,7 +9,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.engine.kv_cache_manager import KvCacheManager
 
 if TYPE_CHECKING:
-    from appliance.engine.loop import Engine  # (torch: not loaded for the KV tests)
+    from appliance.engine.engine import Engine  # (torch: not loaded for the KV tests)
 
 
 def blocks_per_group(specs: Sequence[CacheGroupSpec], first_group_blocks: int) -> dict[str, int]:

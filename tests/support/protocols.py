@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.engine.loop import Engine
+from appliance.engine.engine import Engine
 from appliance.engine.process.client import EngineProcessClient
 from appliance.serve.state import EngineClient
 from npu.device_group import DeviceGroup

@@ -49,12 +49,6 @@ CONSTRAINT_WORKERS = 4    # Submits whose grammars compile off the command threa
 SEND_LINGER_MS = 2000     # at exit: how long the last events (Shutdown's Reply) may take to leave
 
 
-def engine_class() -> type:
-    """The in-process Engine: the one place this package names its module (appliance.engine.loop, to become
-    appliance.engine.engine)."""
-    from appliance.engine.loop import Engine
-    return Engine
-
 
 def fault(exc: BaseException) -> m.Fault:
     """An exception as the front end re-raises it (client.fault_error)."""
@@ -94,7 +88,8 @@ def split_cpus(threads: int, cpus: list[int]) -> tuple[list[int], list[int]]:
 class CoreProcess:
     def __init__(self, rc: RuntimeConfig, commands: str, events: str):
         self.rc = rc
-        self.engine: Any = engine_class()(rc)
+        from appliance.engine.engine import Engine   # here: the front process imports this module, not torch
+        self.engine = Engine(rc)
         self.engine.on_failure = self._engine_failed
         self._ctx = zmq.Context(1)
         self._commands = self._ctx.socket(zmq.PULL)

@@ -1,0 +1,361 @@
+"""The engine core: one thread that owns the scheduler, the KV manager, the device runner and the sampler, and loops.
+
+States: built (on its own thread: EngineCore.launch, which runs the device launch there too) -> looping -> stopped
+(shutdown: after its current step; every request it still holds ends ABORTED), or failed (the device plane is lost
+for good: every request it holds ends ABORTED naming the failure, none is added after). Callers never touch its parts: they put requests in its inbox (add, abort, flush, wake),
+which the loop reads in order.
+
+Each iteration publishes the live figures, takes the inbox (blocking while there is no work), then steps:
+
+    schedule -> execute -> sample -> update -> output
+
+the scheduler picks the rows (scheduler.py); the runner computes their logits from the step's input
+(step_input.py); the sampler draws each sampling row's token (with the grammar masks of constrained rows, and the
+verify of speculative rows: speculation.py); the scheduler commits the tokens and applies the core's stop rules
+(Scheduler.update_from_output); output processing turns them into text and RequestOutputs (output.py), and the
+core finishes what ended before the outputs are delivered. A failing step is retried one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Protocol
+
+import torch
+
+from appliance.core.config import RuntimeConfig
+from appliance.core.request import FinishReason, TokenLogprob
+from appliance.core.startup_report import StartupReport
+from appliance.engine.grammar import GrammarCompiler, MaskFill
+from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, split_draft_rows, verify_rows
+from appliance.engine.output import CoreOutput, OutputProcessor
+from appliance.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate
+from appliance.engine.sequence import Sequence
+from appliance.engine.speculation import Emitted, record_speculation, verify
+from appliance.engine.stats import GroupUsage, StatsRecorder
+from appliance.engine.step_input import StepInput, build_step
+from npu.device_group import RanksLostError
+from npu.sampler import Sampler, apply_token_bitmask
+from npu.step import StepExecutor
+
+log = logging.getLogger(__name__)
+
+# A failed step is retried one request at a time: serving goes on, but a broken batch can hide behind right
+# tokens. Each one is counted (Stats, /metrics) and, when this variable names a file, also appended to it (one
+# line: the error), from any engine of any process that inherits it: tests/conftest.py fails a test in which a step
+# failed unless the test expects it.
+FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"
+
+Masks = tuple[list[int], MaskFill] | None     # the constrained rows of a step and their masks being filled
+
+
+class RequestTable(Protocol):
+    """Where the core's requests were admitted (the Engine): it is told of each request that finished (its id is
+    free again) and of a device plane lost for good, which it records as `failure`."""
+
+    failure: str | None
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def device_lost(self, message: str) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, rc: RuntimeConfig, runner: StepExecutor, kv: KvCacheManager, scheduler: Scheduler,
+                 sampler: Sampler, grammars: GrammarCompiler, outputs: OutputProcessor, stats: StatsRecorder,
+                 requests: RequestTable):
+        """Built on the thread that will loop (launch): the one that runs every device op of the process."""
+        self.rc = rc
+        self.runner, self.kv, self.scheduler, self.sampler = runner, kv, scheduler, sampler
+        self.grammars, self.outputs, self.stats, self.requests = grammars, outputs, stats, requests
+        self.thread = threading.current_thread()
+        self.steps = 0
+        # ("add" | "abort", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
+        self._inbox: queue.Queue[tuple[str, Sequence | threading.Event | None]] = queue.Queue()
+        self._live: dict[str, Sequence] = {}      # the loop's requests by id (added, not yet finished)
+        self._stop = threading.Event()
+        self._closed = False
+
+    @staticmethod
+    def launch(build: Callable[[], tuple[EngineCore, StartupReport]]) -> tuple[EngineCore, StartupReport]:
+        """Start the loop thread, which calls build() (the device launch and the core) and then loops; wait for
+        build and re-raise its error on the caller's thread."""
+        launched: Future[tuple[EngineCore, StartupReport]] = Future()
+
+        def build_and_loop() -> None:
+            try:
+                core, report = build()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+                launched.set_exception(exc)
+                return
+            launched.set_result((core, report))
+            core.run()
+
+        threading.Thread(target=build_and_loop, name="engine-loop", daemon=True).start()
+        return launched.result()
+
+    # -- the inbox (any thread) ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self._inbox.put(("add", seq))
+
+    def abort(self, seq: Sequence) -> None:
+        """End seq ABORTED at the loop's next iteration, unless it has finished by then."""
+        self._inbox.put(("abort", seq))
+
+    def flush(self) -> threading.Event:
+        """An event set once the loop has handled everything put in the inbox before it."""
+        flushed = threading.Event()
+        self._inbox.put(("flush", flushed))
+        return flushed
+
+    def wake(self) -> None:
+        self._inbox.put(("wake", None))
+
+    def device_lost(self, message: str) -> None:
+        """The ranks can step together no more (any thread): tell the request table, wake the loop to fail all."""
+        self.requests.device_lost(message)
+        self.wake()
+
+    def shutdown(self) -> None:
+        """Stop the loop after its current step and wait for it (30 s at most); then shut the runner down and close
+        the grammar compiler (once)."""
+        self._stop.set()
+        self.wake()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=30)
+        if not self._closed:
+            self._closed = True
+            self.runner.shutdown()
+        self.grammars.close()
+
+    # -- the loop (its thread) ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Loop on the core's thread until shutdown or the failure: publish the figures, take the inbox, schedule,
+        and step (execute -> sample -> update -> output); then end what is left (_end_all)."""
+        while not self._stop.is_set() and self.requests.failure is None:
+            self._publish_stats()
+            self._take_inbox(wait=not self.scheduler.has_work())   # idle: block until a request (or shutdown)
+            if self._stop.is_set() or self.requests.failure is not None:
+                break
+            scheduled = self.scheduler.schedule()
+            if scheduled:
+                for seq in self._run_step(scheduled):
+                    self._live.pop(seq.request_id, None)
+        self._end_all(self.requests.failure)
+
+    def _take_inbox(self, wait: bool) -> None:
+        """Handle every item in the inbox, in order; first wait for one when `wait`."""
+        try:
+            kind, item = self._inbox.get(block=wait)
+            while True:
+                if kind == "add" and isinstance(item, Sequence):
+                    self._add(item)
+                elif kind == "abort" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
+                    self._finish_aborted(self._live.pop(item.request_id))
+                elif kind == "flush" and isinstance(item, threading.Event):
+                    item.set()
+                kind, item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _add(self, seq: Sequence) -> None:
+        self._live[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.outputs.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.on_output)
+
+    def _end_all(self, failure: str | None) -> None:
+        """After the loop (shutdown, or the failure): every request it holds ends ABORTED (with the failure, if
+        any). After a failure the requests still in the inbox join them first: none can be added after it."""
+        if failure is not None:
+            while not self._inbox.empty():
+                kind, item = self._inbox.get_nowait()
+                if kind == "add" and isinstance(item, Sequence):
+                    self._add(item)
+                elif kind == "flush" and isinstance(item, threading.Event):
+                    item.set()
+        for seq in list(self._live.values()):
+            seq.error = failure
+            self._finish_aborted(seq)
+        if failure is not None:
+            self._publish_stats()
+
+    def _run_step(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+        """Run one step; a failing step is retried one sequence at a time so a bad request fails alone. The
+        sequences that finished.
+
+        The step's new pages go to every retry until one runs: a runner zeroes new state pages before use, and
+        pages announced only to a step that failed would otherwise keep another request's stale rows."""
+        new_pages = [self.kv.take_new_pages(p) for p in range(self.kv.num_partitions)]
+        try:
+            return self._step(scheduled, new_pages)
+        except RanksLostError as exc:         # no retry can run: the loop fails every request and ends
+            self.device_lost(str(exc))
+            return []
+        except Exception as exc:
+            log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
+            self._step_failed(exc)
+        finished: list[Sequence] = []
+        for item in scheduled:
+            try:
+                finished += self._step([item], new_pages)
+                new_pages = [{} for _ in new_pages]
+            except RanksLostError as exc:
+                self.device_lost(str(exc))
+                return finished
+            except Exception as exc:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+                self._step_failed(exc)
+                item.seq.error = f"{type(exc).__name__}: {exc}"
+                self._finish_aborted(item.seq)
+                finished.append(item.seq)
+        return finished
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Count a step that raised (FAILED_STEPS_FILE)."""
+        self.stats.record_failed_step()
+        path = os.environ.get(FAILED_STEPS_FILE)
+        if path:
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500] + "\n")
+
+    def _step(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
+        """One step of the scheduled rows: execute -> sample -> update -> output; the sequences that finished."""
+        step = build_step(scheduled, self.kv, new_pages)
+        masks = self._start_masks([s.seq for s in step.drawn])         # filled while the model step runs
+        logits = self._execute(step)
+        sampled, refused = self._sample(step, logits, masks)
+        updates = self._update(step, sampled, refused)
+        return self._output(updates, sampled)
+
+    def _execute(self, step: StepInput) -> torch.Tensor:
+        """The step's logits: one batch per KV partition (data-parallel rank), returned in partition order."""
+        if step.partitioned:
+            return self.runner.execute_partitions(step.batches)
+        return self.runner.execute(step.batches[0])
+
+    def _sample(self, step: StepInput, logits: torch.Tensor, masks: Masks) -> tuple[dict[str, Emitted], dict[str, str]]:
+        """Each sampling row's new tokens and their logprobs (a verifying row: its accepted drafts and one more), by
+        request id; and the constrained rows whose masks were refused, with why. Prompt logprobs are recorded."""
+        rows = logits_rows(step.steps)
+        verified = verify_rows(step.steps, rows)
+        emitted: dict[int, Emitted] = {}
+        if verified:
+            logits, drafted = split_draft_rows(logits, step.batches)
+            emitted = verify(self.sampler, logits, drafted, verified)
+        if not rows.only_sampled:
+            add_prompt_logprobs(logits, rows)
+            logits = logits.index_select(0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
+        if len(step.plain) < len(step.samplers):                       # verifying rows were drawn above
+            logits = logits.index_select(0, torch.tensor(step.plain, dtype=torch.long, device=logits.device))
+        drawn = step.drawn
+        refused = self._mask_constrained(logits, [s.seq for s in drawn], masks)
+        tokens = self.sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in drawn]) if drawn else []
+        logprobs = sampled_logprobs(logits, [s.seq.params for s in drawn], tokens)
+        self.steps += 1
+        for s, token, logprob in zip(drawn, tokens, logprobs):
+            emitted[id(s.seq)] = ([token], [logprob])
+        return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers}, refused
+
+    def _update(self, step: StepInput, sampled: dict[str, Emitted], refused: dict[str, str]) -> list[SeqUpdate]:
+        """Commit the step and apply the core's stop rules (Scheduler.update_from_output); count the kept drafts."""
+        updates = self.scheduler.update_from_output(
+            step.scheduled, {request_id: tokens for request_id, (tokens, _) in sampled.items()}, refused)
+        record_speculation(self.stats, step.scheduled, [(s, sampled[s.seq.request_id][0]) for s in step.samplers])
+        return updates
+
+    def _output(self, updates: list[SeqUpdate], sampled: dict[str, Emitted]) -> list[Sequence]:
+        """Hand each sampling row's committed tokens to output processing; finish the sequences that ended (a core
+        rule, or a stop string found there); count the step; then deliver the outputs. The finished sequences."""
+        core_outputs = []
+        for u in updates:
+            tokens, logprobs = sampled[u.seq.request_id]
+            core_outputs.append(self._core_output(u.seq, tokens[:u.num_new], logprobs[:u.num_new], u.finish_reason))
+        processed = self.outputs.process_outputs(core_outputs)
+        first = {id(u.seq) for u in updates if len(u.seq.output_token_ids) == u.num_new}   # no token before this step
+        finished, appended = [], 0
+        for u in updates:
+            kept = processed.stopped.get(u.seq.request_id)
+            appended += u.num_new if kept is None else kept
+            reason = u.finish_reason if kept is None else FinishReason.STOP
+            if reason is not None:
+                self._free(u.seq, reason)
+                finished.append(u.seq)
+        self._record_tokens([u.seq for u in updates], first, appended)
+        processed.deliver()
+        return finished
+
+    @staticmethod
+    def _core_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None],
+                     reason: FinishReason | None) -> CoreOutput:
+        return CoreOutput(seq.request_id, tokens, logprobs, reason, seq.num_cached_prompt_tokens,
+                          seq.take_prompt_logprobs(), seq.error, seq.error_field)
+
+    def _finish_aborted(self, seq: Sequence) -> None:
+        """End seq ABORTED outside a step's output (an abort, a failed retry, the failure) and stream its end."""
+        self._free(seq, FinishReason.ABORTED)
+        self.outputs.process_outputs([self._core_output(seq, [], [], FinishReason.ABORTED)]).deliver()
+
+    def _free(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take a finished sequence out of the scheduler (its blocks back), the sampler, its grammar and the request
+        table, and count it: all before its final output is delivered."""
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.sampler.release(seq.request_id)
+        if seq.matcher is not None:
+            seq.matcher.close()
+            seq.matcher = None
+        self.requests.release(seq)
+        self.stats.record_finished(reason.value, time.monotonic() - seq.arrival_time)
+
+    # -- structured output ---------------------------------------------------------------------------
+    def _start_masks(self, seqs: list[Sequence]) -> Masks:
+        """Begin filling the masks of the constrained rows (seqs[i] is row i) off this thread; None without any."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        return rows, self.grammars.start_fill([m for m in (seqs[i].matcher for i in rows) if m is not None])
+
+    @staticmethod
+    def _mask_constrained(logits: torch.Tensor, seqs: list[Sequence], masks: Masks) -> dict[str, str]:
+        """Mask the logits of the constrained rows (seqs[i] is row i) to what their grammars allow next, before
+        anything reads them: greedy, sampling and the sampled tokens' logprobs (which are therefore of the masked
+        distribution, as vLLM's, whose grammar bitmask is applied before its sampler). A step without a
+        constrained row builds nothing. The rows whose masks were refused (over the budget, or their grammar
+        stopped with an error) are left unmasked and returned, by request id, with why."""
+        if masks is None:
+            return {}
+        rows, fill = masks
+        bitmask, refused = fill.result()
+        kept = [k for k in range(len(rows)) if k not in refused]
+        if kept:                              # (a copy of the kept rows: a refused row's fill may still write)
+            kept_masks = bitmask[kept] if refused else bitmask
+            apply_token_bitmask(logits, [rows[k] for k in kept], torch.from_numpy(kept_masks))
+        return {seqs[rows[k]].request_id: why for k, why in refused.items()}
+
+    # -- figures -------------------------------------------------------------------------------------
+    def _publish_stats(self) -> None:
+        sched, kv = self.scheduler, self.kv
+        self.stats.publish(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.prefix_stats.query_tokens, prefix_cache_hits=kv.prefix_stats.hit_tokens,
+            groups=[GroupUsage(s.name, kv.num_total_blocks(s.name), kv.num_free_blocks(s.name))
+                    for s in self.rc.model.cache_groups])
+
+    def _record_tokens(self, seqs: list[Sequence], first: set[int], num_tokens: int) -> None:
+        """Count the num_tokens this step appended for `seqs` (ids in `first`: their first tokens) and their
+        latencies: one gap per sequence and step, however many tokens a verifying row emitted."""
+        now = time.monotonic()
+        starting = [seq for seq in seqs if id(seq) in first]
+        self.stats.record_step(
+            prompt_tokens=sum(seq.num_prompt_tokens for seq in starting),
+            first_token_latencies=[now - seq.arrival_time for seq in starting],
+            inter_token_latencies=[now - seq.last_token_time for seq in seqs
+                                   if id(seq) not in first and seq.last_token_time is not None],
+            generation_tokens=num_tokens)
+        for seq in seqs:
+            seq.last_token_time = now

@@ -1,0 +1,63 @@
+"""A step's input: the scheduler's decision turned into what the runner executes, and where its logits rows are.
+
+Several data-parallel ranks (KV partitions) each get the batch of their own sequences; the runner returns the logits
+in partition order, so the scheduled sequences are put in that order first. Every rank gets a batch every step
+(possibly empty), with the new pages of its partition and the step's draft passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance.engine.kv_cache_manager import KvCacheManager
+from appliance.engine.logprobs import wants_prompt_logits
+from appliance.engine.scheduler import ScheduledSeq
+from appliance.engine.sequence import Sequence
+from npu.step import SeqStep, StepBatch
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step, built by build_step.
+
+    - scheduled: the scheduler's rows, in partition order (the order of the logits);
+    - batches: one StepBatch per KV partition (the runner's input);
+    - steps: each scheduled sequence with its SeqStep, in that order (where its logits rows are: logprobs.py);
+    - samplers: the rows whose logits give a next token, in that order;
+    - plain: the indices in samplers of rows sampled as is (the others verify drafts: speculation.py);
+    - drawn: those rows (samplers[i] for i in plain)."""
+
+    scheduled: list[ScheduledSeq]
+    batches: list[StepBatch]
+    steps: list[tuple[Sequence, SeqStep]]
+    samplers: list[ScheduledSeq]
+    plain: list[int]
+    drawn: list[ScheduledSeq]
+
+    @property
+    def partitioned(self) -> bool:
+        return len(self.batches) > 1
+
+
+def build_step(scheduled: list[ScheduledSeq], kv: KvCacheManager, new_pages: list[dict[str, list[int]]]
+               ) -> StepInput:
+    """The step of `scheduled`; new_pages[p]: the pages first used by partition p's batch (the runner zeroes those
+    it must before use). Reads the sequences and their block tables, changes nothing."""
+    parts = kv.num_partitions
+    if parts > 1:
+        scheduled = sorted(scheduled, key=lambda s: kv.partition_of(s.seq.request_id))
+    batches = [StepBatch(seqs=[], new_pages=pages) for pages in new_pages]
+    steps = []
+    for s in scheduled:
+        start = s.seq.num_computed_tokens
+        step = SeqStep(request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
+                       start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
+                       all_logits=wants_prompt_logits(s.seq, start, s.num_new_tokens),
+                       prompt_len=s.seq.num_prompt_tokens, num_draft=s.num_draft)
+        batches[kv.partition_of(s.seq.request_id) if parts > 1 else 0].seqs.append(step)
+        steps.append((s.seq, step))
+    for batch in batches:
+        batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
+    samplers = [s for s in scheduled if s.samples]
+    plain = [i for i, s in enumerate(samplers) if not s.num_draft]
+    return StepInput(scheduled, batches, steps, samplers, plain, [samplers[i] for i in plain])
