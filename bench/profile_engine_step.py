@@ -8,18 +8,24 @@ code itself is unchanged). Each loop iteration of the engine thread is one row; 
 over the decode steps (every scheduled sequence computes one token) and the mean over all steps, in ms of
 wall time, split into exclusive categories:
 
-    model            runner.execute minus its step metadata (the forward pass and the logits)
+    model            the runner's execute minus its step metadata (the forward pass and the logits)
     step metadata    the runner's per-step index tensors (npu.qwen3.step_layout.StepLayout.build), when the runner has it
     schedule         Scheduler.schedule (admission, chunking, page allocation)
     block tables     KvCacheManager.block_tables for every sequence of the step
-    batch build      the rest of Engine._execute before the runner: SeqStep / StepBatch objects
-    sampling         Sampler.sample (logits -> token ids on the host)
+    batch build      the rest of step_input.build_step and EngineCore._execute: SeqStep / StepBatch objects
+    sampling         EngineCore._sample: the logits rows, grammar masks, Sampler.sample, logprobs
     kv commit        KvCacheManager.commit (prefix-cache registration, ring releases)
+    update           the rest of Scheduler.update_from_output (appending tokens, the core's stop rules) and the
+                     draft figures (EngineCore._update)
     detokenize       IncrementalDetokenizer.push
-    emit             Sequence.emit (RequestOutput + the consumer's callback / queue)
-    stop rules       the rest of Engine._append
-    stats            Engine._record_tokens and Engine._publish_stats
+    output           the rest of OutputProcessor.process_outputs (stop strings, hold-back, RequestOutputs)
+    deliver          ProcessedOutputs.deliver (the consumers' callbacks / queues)
+    stats            EngineCore._record_tokens and EngineCore._publish_stats
     loop rest        everything else in the iteration (inbox, bookkeeping, finishing sequences)
+
+The parts are the engine core's (appliance/engine/core.py), reached through the Engine's `_core`: the engine has no
+public handle on its core, and this script needs one, because it times the core's own step methods (instance
+attributes, patched on that one core) and a few class attributes.
 
 The wall time of the whole run is printed too, with the load average before and after (the machine may be
 shared: compare figures taken back to back). `--cprofile N` adds the N functions with the most own time.
@@ -42,12 +48,23 @@ from peer_workers import appliance_overrides  # noqa: E402 (bench/: the script d
 
 from appliance.core.request import SamplingParams  # noqa: E402
 from appliance.core.tokenizer import IncrementalDetokenizer  # noqa: E402
+from appliance.engine import core as core_module  # noqa: E402
+from appliance.engine.core import EngineCore  # noqa: E402
 from appliance.engine.engine import Engine  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
+from appliance.engine.output import ProcessedOutputs  # noqa: E402
 from appliance.offline import Appliance  # noqa: E402
 
 CATEGORIES = ("model", "step metadata", "schedule", "block tables", "batch build", "sampling", "kv commit",
-              "detokenize", "emit", "stop rules", "stats", "loop rest")
+              "update", "detokenize", "output", "deliver", "stats", "loop rest")
+
+
+def engine_core(engine: Engine) -> EngineCore:
+    """The started engine's core: the Engine keeps it private (`_core`), and this script times its parts."""
+    core = getattr(engine, "_core", None)
+    if not isinstance(core, EngineCore):
+        raise RuntimeError("the engine has no started EngineCore at engine._core (appliance/engine/engine.py moved "
+                           "it?): bench/profile_engine_step.py times the core's parts")
+    return core
 
 
 class StepTimer:
@@ -96,10 +113,12 @@ class StepTimer:
 
 
 def instrument(app: Appliance, timer: StepTimer) -> None:
-    """Wrap the engine's parts with the timer (instance attributes and a few class attributes)."""
-    engine: Engine = app.engine
-    runner, sched, kv = engine._runner, engine.scheduler, engine.kv_cache_manager
+    """Wrap the engine core's parts with the timer (instance attributes of the one core and its parts, and a few
+    class or module attributes: StepLayout.build, IncrementalDetokenizer.push, ProcessedOutputs.deliver, build_step)."""
+    core = engine_core(app.engine)
+    runner, sched, kv = core.runner, core.scheduler, core.kv
     runner.execute = timer.wrap("model", runner.execute)
+    runner.execute_partitions = timer.wrap("model", runner.execute_partitions)
     layout_module = sys.modules.get(type(runner).__module__.rpartition(".")[0] + ".step_layout")
     step_layout = getattr(layout_module, "StepLayout", None)
     if step_layout is not None:
@@ -113,19 +132,21 @@ def instrument(app: Appliance, timer: StepTimer) -> None:
     sched.schedule = schedule_and_mark
     kv.block_tables = timer.wrap("block tables", kv.block_tables)
     kv.commit = timer.wrap("kv commit", kv.commit)
-    engine._execute = timer.wrap("batch build", engine._execute)
-    engine._sampler.sample = timer.wrap("sampling", engine._sampler.sample)
-    engine._append = timer.wrap("stop rules", engine._append)
-    engine._record_tokens = timer.wrap("stats", engine._record_tokens)
-    publish = timer.wrap("stats", engine._publish_stats)
+    core_module.build_step = timer.wrap("batch build", core_module.build_step)   # (core.py calls it by this name)
+    core._execute = timer.wrap("batch build", core._execute)
+    core._sample = timer.wrap("sampling", core._sample)
+    core._update = timer.wrap("update", core._update)
+    core.outputs.process_outputs = timer.wrap("output", core.outputs.process_outputs)
+    ProcessedOutputs.deliver = timer.wrap("deliver", ProcessedOutputs.deliver)
+    core._record_tokens = timer.wrap("stats", core._record_tokens)
+    publish = timer.wrap("stats", core._publish_stats)
 
     def publish_and_mark():
         timer.iteration()
         publish()
-    engine._publish_stats = publish_and_mark
-    engine._run_step = timer.wrap("loop rest", engine._run_step)
+    core._publish_stats = publish_and_mark
+    core._run_step = timer.wrap("loop rest", core._run_step)
     IncrementalDetokenizer.push = timer.wrap("detokenize", IncrementalDetokenizer.push)
-    Sequence.emit = timer.wrap("emit", Sequence.emit)
 
 
 class LoopProfiler:
@@ -135,11 +156,11 @@ class LoopProfiler:
     def __init__(self, engine: Engine):
         import cProfile
         self.profile = cProfile.Profile()
-        self.engine = engine
+        self.core = core = engine_core(engine)
         self.done = threading.Event()
         self._on = False
         self._stopping = False
-        run_step, publish = engine._run_step, engine._publish_stats
+        run_step, publish = core._run_step, core._publish_stats
 
         def run_step_profiled(*args):
             if not self._on and not self._stopping:
@@ -153,11 +174,11 @@ class LoopProfiler:
                 self._on = False
                 self.done.set()
             publish()
-        engine._run_step, engine._publish_stats = run_step_profiled, publish_then_stop
+        core._run_step, core._publish_stats = run_step_profiled, publish_then_stop
 
     def stop(self) -> None:
         self._stopping = True
-        self.engine._inbox.put(("wake", None))
+        self.core.wake()
         self.done.wait(10)
 
 

@@ -20,7 +20,7 @@ offset by one plane) lets one block table (2p per page) address both with no cop
 Where it applies (fused_attention_op): the runner's device is an NPU, activations are float16 or bfloat16
 and block_size is a multiple of 16 up to 512 (the kernel's page-attention limits). Anywhere else, the
 runner's SDPA path runs unchanged, so the CPU path (and the transformers oracles) never see this module.
-There is no NPU in CI: tests/npu/test_fused_attention.py runs the runner with this module over a reference
+There is no NPU in CI: tests/npu/test_fused_paths.py runs the runner with this module over a reference
 implementation of the kernel's documented semantics and checks it against the SDPA path.
 """
 

@@ -120,7 +120,7 @@ class PoolGathers(TorchDispatchMode):
 
 def test_gathers_copy_into_one_buffer_reused_across_layers_and_steps():
     """The decode and cached-chunk gathers of every layer, over two steps of the same shapes, all write into
-    one buffer: no multi-MB tensor is allocated per layer (qwen3.py's _gather says why)."""
+    one buffer: no multi-MB tensor is allocated per layer (npu/qwen3/runner.py's Qwen3Runner._gather says why)."""
     runner = runner_on("cpu")
     run_mixed(runner, seed=4)
     gathers = PoolGathers(runner)
