@@ -70,11 +70,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         if rc.mode == "plan":
             from appliance.modes.plan import run_plan
             return run_plan(rc, out, quiet=_is_multirun())
-        if rc.mode in ("serve", "bench"):
-            from npu.ranks import Rendezvous
+        if rc.mode in ("serve", "bench") and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            from npu.ranks import Rendezvous  # (torch: only under torchrun, whose variables these are)
             rdv = Rendezvous.from_environment()
             if rdv is not None and rdv.rank != 0:      # under torchrun: not the owner, one of its ranks
-                from npu.ranks import leave_process
+                from npu.leaving import leave_process
                 from npu.worker import run_rank
                 status = run_rank(rc, rdv)
                 if status:
@@ -96,8 +96,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         write_result(out, "result.json", result)
         if _is_multirun():
             return result
-        if _in_process_group():         # the owner of failed ranks: leave as they do (npu.ranks.leave_process)
-            from npu.ranks import leave_process
+        if _in_process_group():         # the owner of failed ranks: leave as they do (npu.leaving.leave_process)
+            from npu.leaving import leave_process
             leave_process(EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
 
@@ -110,7 +110,7 @@ def leave_after_serving() -> None:
     cut short by SIGTERM, a step outlasting the shutdown's bound) is killed by CPython with pthread_exit, whose
     unwinding through torch's noexcept C++ frames calls std::terminate ("terminate called without an active
     exception", exit 134); and freeing the model and KV pools object by object takes seconds."""
-    from npu.ranks import leave_process
+    from npu.leaving import leave_process
     leave_process(0)
 
 

@@ -37,8 +37,9 @@ from appliance.core.parallel import RankPlace, place_of, world_size
 from appliance.core.startup_report import StartupReport
 from npu.backends import Backend
 from npu.launcher import launch
+from npu.leaving import before_leaving
 from npu.liveness import ABORT_KEY, LivenessMonitor, is_stopped
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, before_leaving, connect_store, host_store
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
 from npu.runner import ModelRunner
 from npu.step import StepBatch
 from npu.worker import STOP, run_step

@@ -25,11 +25,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -111,32 +110,6 @@ def connect_store(rdv: Rendezvous, timeout_s: float) -> dist.Store:
         raise RankStartupError(f"rank {rdv.rank}: cannot reach the rendezvous at {rdv.host}:{rdv.port} within "
                                f"{timeout_s:g} s ({first_line(exc)}). Fix: start rank 0 (it hosts the group), check "
                                f"MASTER_ADDR / MASTER_PORT and the network between hosts") from None
-
-
-_before_leaving: list[Callable[[], None]] = []
-
-
-def before_leaving(hook: Callable[[], None]) -> None:
-    """Run `hook` when this process leaves through leave_process (the owner ends the ranks it spawned and reaps
-    them, whichever way it leaves: a rank it could not stop, e.g. a stopped one, would otherwise outlive it)."""
-    _before_leaving.append(hook)
-
-
-def leave_process(status: int) -> NoReturn:
-    """End this rank's process now with `status`, its output flushed, without the interpreter's teardown.
-
-    After a failed startup the process group may still hold gloo's threads in a collective a vanished peer
-    never answers; tearing them down at exit can abort ("terminate called without an active exception"),
-    turning exit 2 into SIGABRT. No state of a rank outlives its process, so nothing is lost by skipping it."""
-    for hook in _before_leaving:
-        try:
-            hook()
-        except Exception as exc:  # noqa: BLE001 - leaving anyway; the kernel ends spawned ranks with this process
-            log.warning("before leaving: %s: %s", type(exc).__name__, exc)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def first_line(exc: BaseException) -> str:

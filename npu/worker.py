@@ -26,8 +26,9 @@ from appliance.core.config import RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of, world_size
 from npu.launcher import launch, prepare_rank
+from npu.leaving import leave_process
 from npu.liveness import Heartbeat, beat_interval, exit_with_parent
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, leave_process
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store
 from npu.runner import ModelRunner
 from npu.step import StepBatch, draft_rows, logits_offsets
 

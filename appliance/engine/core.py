@@ -12,8 +12,9 @@ Each iteration publishes the live figures, takes the inbox (blocking while there
 the scheduler picks the rows (scheduler.py); the runner computes their logits from the step's input
 (step_input.py); the sampler draws each sampling row's token (with the grammar masks of constrained rows, and the
 verify of speculative rows: speculation.py); the scheduler commits the tokens and applies the core's stop rules
-(Scheduler.update_from_output); output processing turns them into text and RequestOutputs (output.py), and the
-core finishes what ended before the outputs are delivered. A failing step is retried one sequence at a time.
+(Scheduler.update_from_output); the output sink takes the CoreOutputs (output.py: in one process the
+OutputProcessor, which makes text and RequestOutputs; in split mode a sender to the front end's), and the core
+finishes what ended before the outputs are delivered. A failing step is retried one sequence at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from appliance.core.startup_report import StartupReport
 from appliance.engine.grammar import GrammarCompiler, MaskFill
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, split_draft_rows, verify_rows
-from appliance.engine.output import CoreOutput, OutputProcessor
+from appliance.engine.output import CoreOutput, OutputSink
 from appliance.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate
 from appliance.engine.sequence import Sequence
 from appliance.engine.speculation import Emitted, record_speculation, verify
@@ -68,7 +69,7 @@ class RequestTable(Protocol):
 
 class EngineCore:
     def __init__(self, rc: RuntimeConfig, runner: StepExecutor, kv: KvCacheManager, scheduler: Scheduler,
-                 sampler: Sampler, grammars: GrammarCompiler, outputs: OutputProcessor, stats: StatsRecorder,
+                 sampler: Sampler, grammars: GrammarCompiler, outputs: OutputSink, stats: StatsRecorder,
                  requests: RequestTable):
         """Built on the thread that will loop (launch): the one that runs every device op of the process."""
         self.rc = rc
@@ -76,7 +77,7 @@ class EngineCore:
         self.grammars, self.outputs, self.stats, self.requests = grammars, outputs, stats, requests
         self.thread = threading.current_thread()
         self.steps = 0
-        # ("add" | "abort", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
+        # ("add" | "abort" | "stop", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
         self._inbox: queue.Queue[tuple[str, Sequence | threading.Event | None]] = queue.Queue()
         self._live: dict[str, Sequence] = {}      # the loop's requests by id (added, not yet finished)
         self._stop = threading.Event()
@@ -107,6 +108,11 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         """End seq ABORTED at the loop's next iteration, unless it has finished by then."""
         self._inbox.put(("abort", seq))
+
+    def stop(self, seq: Sequence) -> None:
+        """End seq STOP at the loop's next iteration, unless it has finished by then: a front end's output processor
+        found a stop string and has streamed its end already (split mode), so nothing more goes out for it."""
+        self._inbox.put(("stop", seq))
 
     def flush(self) -> threading.Event:
         """An event set once the loop has handled everything put in the inbox before it."""
@@ -158,6 +164,8 @@ class EngineCore:
                     self._add(item)
                 elif kind == "abort" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
                     self._finish_aborted(self._live.pop(item.request_id))
+                elif kind == "stop" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
+                    self._free(self._live.pop(item.request_id), FinishReason.STOP)
                 elif kind == "flush" and isinstance(item, threading.Event):
                     item.set()
                 kind, item = self._inbox.get_nowait()
@@ -269,7 +277,7 @@ class EngineCore:
         return updates
 
     def _output(self, updates: list[SeqUpdate], sampled: dict[str, Emitted]) -> list[Sequence]:
-        """Hand each sampling row's committed tokens to output processing; finish the sequences that ended (a core
+        """Hand each sampling row's committed tokens to the output sink; finish the sequences that ended (a core
         rule, or a stop string found there); count the step; then deliver the outputs. The finished sequences."""
         core_outputs = []
         for u in updates:

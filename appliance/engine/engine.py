@@ -38,7 +38,7 @@ from appliance.core.tokenizer import Tokenizer
 from appliance.engine.core import EngineCore
 from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache_manager import KvCacheManager
-from appliance.engine.output import OutputProcessor
+from appliance.engine.output import OutputProcessor, OutputSink
 from appliance.engine.preflight import Preflight, preflight
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import Sequence
@@ -75,8 +75,11 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, rc: RuntimeConfig):
+    def __init__(self, rc: RuntimeConfig, output_sink: Callable[[Tokenizer], OutputSink] = OutputProcessor):
+        """output_sink: makes where the core's CoreOutputs go (default: text and RequestOutputs here; the core
+        process sends them to its front end instead)."""
         self.rc = rc
+        self._output_sink = output_sink
         self.report: StartupReport | None = None        # set by start()
         self.limits: RequestLimits | None = None        # set by start()
         self._core: EngineCore | None = None             # set by start(): the only part that waits for it
@@ -147,7 +150,7 @@ class Engine:
         if note is not None:
             report = dataclasses.replace(report, notes=(*report.notes, note))
         core = EngineCore(self.rc, runner, manager, Scheduler(self.rc, manager, checked.tokenizer.eos_token_id),
-                          Sampler(runner.device, self.rc.seed), grammars, OutputProcessor(checked.tokenizer),
+                          Sampler(runner.device, self.rc.seed), grammars, self._output_sink(checked.tokenizer),
                           self._stats, self)
         runner.watch(core.device_lost)             # spawned ranks: a dead one is noticed while idle too
         checked.backend.set_device(RUNNER_DEVICE)
@@ -248,6 +251,14 @@ class Engine:
                 return                        # finished already, or the id now belongs to a newer request
             del self._in_flight[seq.request_id]
             self._started().abort(seq)
+
+    def stop(self, request_id: str) -> None:
+        """Finish the request holding request_id as STOP (a front end's processor found a stop string and ended its
+        stream): its id is free at once, the loop frees its blocks and counts it stopped at its next step."""
+        with self._lock:
+            seq = self._in_flight.pop(request_id, None)
+            if seq is not None:
+                self._started().stop(seq)
 
     def release(self, seq: Sequence) -> None:
         """The core finished seq: its request_id is free (unless an abort freed it already)."""

@@ -9,13 +9,15 @@ are plain data, so it can run in another process than the core (a front end's), 
 
 States of a request here: added (add_request) -> streaming -> finished (its final RequestOutput built; its state
 dropped). A stop string is found here, not in the core: process_outputs reports each request it ended that way
-(`stopped`), and the core finishes those sequences before the outputs are delivered.
+(`stopped`), and the core finishes those sequences before the outputs are delivered. The core only sees an
+OutputSink: in one process this processor; with the core in its own process, a sender of the CoreOutputs to the front
+end, whose processor tells the core of a stop string by message (appliance.engine.process).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from appliance.core.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from appliance.core.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,6 +49,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     on_output: OnOutput
+    request_id: str                             # what its RequestOutputs say (the key CoreOutputs use may differ)
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     num_text_emitted: int = 0
@@ -67,6 +70,26 @@ class ProcessedOutputs:
             on_output(out)
 
 
+class Delivery(Protocol):
+    """What the core reads back from its sink for one batch of CoreOutputs: the requests a stop string ended (with
+    the new tokens kept), which it finishes before calling deliver()."""
+
+    @property
+    def stopped(self) -> dict[str, int]: ...
+
+    def deliver(self) -> None: ...
+
+
+class OutputSink(Protocol):
+    """Where the engine core sends its CoreOutputs: an OutputProcessor in the same process (the in-process Engine),
+    or a sender to a front end that runs its own OutputProcessor (appliance.engine.process: split mode)."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    on_output: OnOutput) -> None: ...
+
+    def process_outputs(self, core_outputs: Iterable[CoreOutput]) -> Delivery: ...
+
+
 class OutputProcessor:
     """Detokenizing, stop strings, hold-back and the RequestOutputs of every live request (one thread uses it)."""
 
@@ -79,11 +102,15 @@ class OutputProcessor:
         return len(self._requests)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    on_output: OnOutput) -> None:
-        """Start tracking a request (whose earlier holder of this id, if any, has finished here already)."""
+                    on_output: OnOutput, name: str | None = None) -> None:
+        """Start tracking a request (whose earlier holder of this id, if any, has finished here already). CoreOutputs
+        name it by request_id; its RequestOutputs by `name` (default: request_id; a front end keys by call id)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already being processed")
-        self._requests[request_id] = _RequestState(list(prompt_token_ids), params, on_output)
+        self._requests[request_id] = _RequestState(list(prompt_token_ids), params, on_output, name or request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def process_outputs(self, core_outputs: Iterable[CoreOutput]) -> ProcessedOutputs:
         """The RequestOutputs of the core's news (each request must have been added and not have finished)."""
@@ -159,7 +186,7 @@ class OutputProcessor:
                 prompt_logprobs: tuple[TokenLogprob | None, ...] | None) -> RequestOutput:
         finished = reason is not None
         return RequestOutput(
-            request_id=core.request_id, new_token_ids=tuple(tokens), new_text=text, finish_reason=reason,
+            request_id=state.request_id, new_token_ids=tuple(tokens), new_text=text, finish_reason=reason,
             usage=Usage(len(state.prompt_token_ids), state.num_output_tokens, core.num_cached_tokens)
             if finished else None,
             error=core.error,

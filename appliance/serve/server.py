@@ -305,6 +305,6 @@ def serve(rc: RuntimeConfig, engine: EngineClient | None = None, output_dir: Pat
     result = asyncio.run(server.run(install_signal_handlers=True))
     sys.stdout.flush()
     if server.failure is not None:       # exit 1 at once: the process group of the lost ranks has no clean teardown
-        from npu.ranks import leave_process
+        from npu.leaving import leave_process
         leave_process(EXIT_ENGINE_FAILED)
     return result

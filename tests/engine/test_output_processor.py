@@ -7,6 +7,7 @@
 - A core EOS or a stop token id adds no text, and the end flushes the held-back tail; an ABORTED end shows no token and no text, while usage
   counts the tokens it was given.
 - Prompt logprobs go out once, on the first output after they are given; nothing is delivered before deliver().
+- A request keyed apart from its request_id (a front end keys by call id) is named by its request_id.
 """
 
 from __future__ import annotations
@@ -128,3 +129,18 @@ def test_a_stop_token_id_adds_no_text(tokenizer):
     outputs.process_outputs([CoreOutput("r", ids, finish_reason=FinishReason.STOP)]).deliver()
     assert got[-1].new_token_ids == (ids[-1],) and got[-1].finish_reason is FinishReason.STOP
     assert "".join(o.new_text for o in got) == tokenizer.decode(ids[:-1]) != tokenizer.decode(ids)
+
+
+def test_a_request_keyed_apart_from_its_request_id_is_named_by_it(tokenizer):
+    """A front end keys requests by call id (two holders of one request_id may overlap there: an aborted one and its
+    successor); CoreOutputs use the key, RequestOutputs the request_id."""
+    outputs = OutputProcessor(tokenizer)
+    got: list[RequestOutput] = []
+    params = SamplingParams(max_tokens=2)
+    outputs.add_request("1", PROMPT, params, got.append, name="same")
+    outputs.add_request("2", PROMPT, params, got.append, name="same")
+    assert "1" in outputs and "2" in outputs and "same" not in outputs
+    ids = tokenizer.encode(TEXT)[:2]
+    outputs.process_outputs([CoreOutput("1", [], finish_reason=FinishReason.ABORTED),
+                             CoreOutput("2", ids, finish_reason=FinishReason.LENGTH)]).deliver()
+    assert [o.request_id for o in got] == ["same"] * 3 and outputs.num_requests == 0

@@ -22,8 +22,9 @@ from appliance.core.errors import StartupError
 from appliance.core.parallel import place_of
 from appliance.serve.convert import startup_response
 from npu.launcher import launch
+from npu.leaving import leave_process
 from npu.qwen3.runner import Qwen3Runner
-from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store, leave_process
+from npu.ranks import RankGroup, Rendezvous, StartupBoard, connect_store, host_store
 from tests.support.fake_device import FakeBackend, FakeMemoryProbe
 
 OVERRIDES = ["+model=qwen3_tiny", "device=cpu", "device.count=2", "parallel.tensor_parallel_size=2",

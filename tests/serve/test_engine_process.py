@@ -1,8 +1,10 @@
 """The engine core in its own process (server.engine_process=true, appliance/engine/process/) behind the real front
 ends: greedy outputs over gRPC and HTTP equal the in-process engine's, an abort gives the request's blocks back,
-a full wait queue is RESOURCE_EXHAUSTED / 429, /metrics and Stats read the core's figures, a killed core turns
-health NOT_SERVING and fails the streams in flight, SIGTERM drains the streams in flight and ends both processes,
-and a startup fault in the core is the usual message and exit status 2. Every wait is for a state, not a time."""
+a stop string is found by the front end and frees the core's request (counted as stopped), a full wait queue is
+RESOURCE_EXHAUSTED / 429, /metrics and Stats read the core's figures, a killed core turns health NOT_SERVING and
+fails the streams in flight, SIGTERM drains the streams in flight and ends both processes (the front one never
+having loaded torch), and a startup fault in the core is the usual message and exit status 2. Every wait is for a
+state, not a time."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import signal
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -89,7 +92,7 @@ def served():
     yield srv
     srv.stop()
     assert srv.result.get("status") == "ok", (srv.result, srv.error)
-    assert srv.engine._proc is not None and srv.engine._proc.returncode == 0
+    assert srv.engine.returncode == 0
 
 
 def test_greedy_outputs_over_grpc_and_http_equal_the_in_process_engine(served):
@@ -149,6 +152,49 @@ def test_every_sampling_field_crosses_to_the_core(served):
     got = {name: collect(served.engine, name, *case) for name, case in cases.items()}
     assert got == expected
     assert "".join(o.new_text for o in got["constrained"]) in ("yes", "no")
+
+
+def split_stop(deltas: list[str]) -> str:
+    """A stop string that straddles two tokens' texts (the last two characters of one, the first of the next) and
+    first appears there: its first characters stream held back."""
+    text = ""
+    for a, b in zip(deltas, deltas[1:]):
+        text += a
+        stop = a[-2:] + b[:1]
+        if len(a) >= 2 and b and (text + b).find(stop) == len(text) - 2:
+            return stop
+    raise AssertionError(f"no stop string straddles two tokens of {deltas!r}")
+
+
+def test_a_stop_string_across_tokens_streams_as_in_process_and_the_core_frees_and_counts_it(served):
+    """The front end finds the stop string (split over two tokens, held back) and streams the in-process engine's
+    deltas and usage exactly; the core frees the request's blocks and counts it finished by stop, not aborted; and
+    its request_id is free again at once."""
+    from appliance.engine.engine import Engine
+
+    prompt, plain = "the cache holds", SamplingParams(max_tokens=100, ignore_eos=True)
+    local = Engine(served.rc)
+    local.start()
+    try:
+        stop = split_stop([o.new_text for o in collect(local, "base", prompt, plain)])
+        params = SamplingParams(max_tokens=100, ignore_eos=True, stop=(stop,))
+        expected = collect(local, "stopped", prompt, params)
+    finally:
+        local.shutdown()
+    assert expected[-1].finish_reason == FinishReason.STOP and expected[-1].usage.completion_tokens < 100
+    assert any(o.new_token_ids and not o.new_text for o in expected)        # a delta held back
+    wait_for(served.all_free, 30, "blocks back")
+    before = served.engine.stats().finished
+    got = collect(served.engine, "stopped", prompt, params)
+    again = collect(served.engine, "stopped", prompt, params)             # the same request_id, at once
+    assert got == expected and again == expected
+
+    def counted() -> bool:
+        finished = served.engine.stats().finished
+        return finished.get("stop", 0) == before.get("stop", 0) + 2 and served.all_free()
+    wait_for(counted, 30, "the core to free both requests and count them stopped")
+    assert served.engine.stats().finished.get("aborted", 0) == before.get("aborted", 0)
+    assert served.engine.num_in_flight() == 0
 
 
 def test_an_abort_gives_the_blocks_back(served):
@@ -255,6 +301,9 @@ def test_sigterm_drains_the_streams_in_flight_and_ends_both_processes(tmp_path):
         assert srv.proc.poll() is None, srv.output
         core = int(re.search(r"engine core process started: pid (\d+)", srv.output).group(1))
         assert process_alive(core)
+        # The front end never loads torch: only the core process maps libtorch.
+        assert "libtorch" not in Path(f"/proc/{srv.proc.pid}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{core}/maps").read_text()
         stream = client.generate("tell me a story", max_tokens=40, ignore_eos=True)
         first = next(stream)
         srv.proc.send_signal(signal.SIGTERM)          # the stream in flight still finishes, all 40 tokens

@@ -3,15 +3,19 @@
 `python -m appliance.engine.process.core_process COMMANDS EVENTS PARENT_PID`, the pickled RuntimeConfig on stdin
 (as npu.worker's ranks get theirs). Threads:
 
-    main      receives commands and acts on them: Submit and Abort at once (Engine.submit and abort are thread-safe
-              and quick), a Submit with an output constraint on a small pool (its grammar compiles there, as the
+    main      receives commands and acts on them: Submit, Abort and Stop at once (Engine.submit, abort and stop are
+              thread-safe and quick), a Submit with an output constraint on a small pool (its grammar compiles there, as the
               in-process engine compiles it on the caller's thread), Prepare / Start / Drain / Shutdown each on a
               thread of its own (they block), so aborts still get through meanwhile
-    sender    the only user of the events socket: every delta the engine loop emits (on_output, on the loop thread,
-              only appends to the outbox), every Reply and the stats snapshot when it changed go out in the order
-              they happened; the deltas of one wake-up (one engine step, or several) go as one Outputs message;
+    sender    the only user of the events socket: every CoreOutput the engine loop emits (this object is the core's
+              output sink: on the loop thread it only appends to the outbox), every Reply and the stats snapshot
+              when it changed go out in the order they happened; the CoreOutputs of one wake-up (one engine step,
+              or several) go as one Outputs message;
               a Beat when nothing else went out for npu.liveness.beat_interval(parallel.step_timeout_s)
     engine    the Engine's own loop thread (and its ranks, when it spawns them: this process is their owner)
+
+The Engine admits each request under its Submit's call id (str): the front end owns request_ids, runs the output
+processor (text, stop strings, hold-back) and sends Stop when a stop string ended a request.
 
 It ignores SIGINT and SIGTERM (a terminal or a service manager signals the whole process group: the front end drains
 through Drain, then sends Shutdown) and ends with its parent (npu.liveness.exit_with_parent: the kernel kills it
@@ -31,7 +35,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import zmq
 
@@ -39,8 +44,11 @@ from appliance.core.config import RuntimeConfig
 from appliance.core.errors import StartupError
 from appliance.core.logs import configure_logging
 from appliance.core.parallel import world_size
-from appliance.core.request import EngineUnavailableError, QueueFullError, RequestError, RequestOutput
+from appliance.core.request import EngineUnavailableError, SamplingParams
+from appliance.core.tokenizer import Tokenizer
+from appliance.engine.output import CoreOutput, OnOutput
 from appliance.engine.process import messages as m
+from appliance.engine.process.faults import fault
 
 log = logging.getLogger("appliance.engine.process.core")
 
@@ -48,22 +56,6 @@ STATS_EVERY_S = 0.05      # an idle sender wakes this often to send the stats sn
 CONSTRAINT_WORKERS = 4    # Submits whose grammars compile off the command thread
 SEND_LINGER_MS = 2000     # at exit: how long the last events (Shutdown's Reply) may take to leave
 
-
-
-def fault(exc: BaseException) -> m.Fault:
-    """An exception as the front end re-raises it (client.fault_error)."""
-    name = type(exc).__name__
-    if isinstance(exc, StartupError):
-        return m.Fault("startup", str(exc), name)
-    if isinstance(exc, RequestError):
-        prefix = f"{exc.field}: "
-        text = str(exc)
-        return m.Fault("request", text[len(prefix):] if text.startswith(prefix) else text, name, exc.field)
-    if isinstance(exc, QueueFullError):
-        return m.Fault("queue_full", str(exc), name)
-    if isinstance(exc, EngineUnavailableError):
-        return m.Fault("unavailable", str(exc), name)
-    return m.Fault("error", f"{name}: {exc}", name)
 
 
 def pin_threads(cpus: set[int]) -> None:
@@ -85,11 +77,25 @@ def split_cpus(threads: int, cpus: list[int]) -> tuple[list[int], list[int]]:
     return cpus[:-threads], cpus[-threads:]
 
 
+@dataclass
+class Forward:
+    """The core sink's Delivery: the CoreOutputs go to the sender's outbox (no stop strings are looked for here)."""
+
+    items: list[CoreOutput]
+    process: "CoreProcess"
+    stopped: dict[str, int] = field(default_factory=dict)
+
+    def deliver(self) -> None:
+        self.process.put_outputs(self.items)
+
+
 class CoreProcess:
+    """The Engine behind the sockets, and its output sink (add_request, process_outputs: engine.output.OutputSink)."""
+
     def __init__(self, rc: RuntimeConfig, commands: str, events: str):
         self.rc = rc
-        from appliance.engine.engine import Engine   # here: the front process imports this module, not torch
-        self.engine = Engine(rc)
+        from appliance.engine.engine import Engine  # here: the front process imports this module, not torch
+        self.engine = Engine(rc, output_sink=self.sink)
         self.engine.on_failure = self._engine_failed
         self._ctx = zmq.Context(1)
         self._commands = self._ctx.socket(zmq.PULL)
@@ -98,14 +104,12 @@ class CoreProcess:
         self._events.setsockopt(zmq.SNDHWM, 0)
         self._events.connect(events)
         self._encoder = m.encoder()
-        self._outbox: collections.deque[tuple[int, RequestOutput] | m.Reply | m.Failed] = collections.deque()
+        self._outbox: collections.deque[CoreOutput | m.Reply | m.Failed] = collections.deque()
         self._wake = threading.Event()
         self._done = threading.Event()        # Shutdown replied: the sender sends what is left and ends
         self._lock = threading.Lock()
-        self._handles: dict[int, Any] = {}    # call id of a Submit -> the engine's handle, until its last delta
         self._pending: set[int] = set()       # Submits compiling on the pool
         self._aborted: set[int] = set()       # of those, aborted before they were admitted
-        self._finished_early: set[int] = set()   # finished before submit() returned (not yet in _handles)
         self._pool = ThreadPoolExecutor(CONSTRAINT_WORKERS, thread_name_prefix="core-submit")
         self._last_sent = 0.0                 # when the sender last sent anything (it beats when idle)
 
@@ -127,6 +131,8 @@ class CoreProcess:
                     self._pool.submit(self._submit, cmd)
             elif isinstance(cmd, m.Abort):
                 self._abort(cmd.call)
+            elif isinstance(cmd, m.Stop):
+                self.engine.stop(str(cmd.call))
             elif isinstance(cmd, m.Prepare):
                 self._in_thread("prepare", cmd.call, functools.partial(self._prepare, cmd))
             elif isinstance(cmd, m.Start):
@@ -181,10 +187,10 @@ class CoreProcess:
         return m.Reply(cmd.call, prepared=m.Prepared(front, core, threads))
 
     def _submit(self, cmd: m.Submit) -> None:
+        """Admit the request under its call id (its outputs go through process_outputs, not a handle)."""
         try:
-            handle = self.engine.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                        lambda out, call=cmd.call: self._output(call, out))
-        except BaseException as exc:  # noqa: BLE001 - the front end re-raises it (RequestError, QueueFullError...)
+            handle = self.engine.submit(str(cmd.call), cmd.prompt_token_ids, cmd.params)
+        except BaseException as exc:  # noqa: BLE001 - the front end re-raises it (QueueFullError...)
             with self._lock:
                 self._pending.discard(cmd.call)
                 self._aborted.discard(cmd.call)
@@ -194,30 +200,32 @@ class CoreProcess:
             self._pending.discard(cmd.call)
             abort = cmd.call in self._aborted
             self._aborted.discard(cmd.call)
-            if cmd.call in self._finished_early:
-                self._finished_early.discard(cmd.call)
-            elif not abort:
-                self._handles[cmd.call] = handle
         self._put(m.Reply(cmd.call))
         if abort:
             handle.abort()
 
     def _abort(self, call: int) -> None:
         with self._lock:
-            handle = self._handles.get(call)
-            if handle is None and call in self._pending:
+            if call in self._pending:         # still compiling its grammar: aborted once admitted
                 self._aborted.add(call)
-        if handle is not None:
-            handle.abort()
+                return
+        self.engine.abort(str(call))
 
-    # -- engine threads --------------------------------------------------------------------------------------
-    def _output(self, call: int, out: RequestOutput) -> None:
-        """The engine loop's on_output: queued for the sender (nothing slow on the loop thread)."""
-        if out.finished:
-            with self._lock:
-                if self._handles.pop(call, None) is None:
-                    self._finished_early.add(call)
-        self._outbox.append((call, out))
+    # -- the output sink (the engine loop's thread) --------------------------------------------------------------
+    def sink(self, tokenizer: Tokenizer) -> "CoreProcess":
+        """The Engine's output_sink: this object (the front end detokenizes: the tokenizer is not needed here)."""
+        return self
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    on_output: OnOutput) -> None:
+        """Nothing to track: the front end's output processor holds each request's state."""
+
+    def process_outputs(self, core_outputs: Iterable[CoreOutput]) -> Forward:
+        return Forward(list(core_outputs), self)
+
+    def put_outputs(self, items: list[CoreOutput]) -> None:
+        """Queued for the sender (nothing slow on the loop thread)."""
+        self._outbox.extend(items)
         self._wake.set()
 
     def _engine_failed(self, message: str) -> None:
@@ -237,10 +245,10 @@ class CoreProcess:
         while True:
             self._wake.wait(STATS_EVERY_S)
             self._wake.clear()
-            batch: list[tuple[int, RequestOutput]] = []
+            batch: list[CoreOutput] = []
             while self._outbox:
                 item = self._outbox.popleft()
-                if isinstance(item, tuple):
+                if isinstance(item, CoreOutput):
                     batch.append(item)
                     continue
                 if batch:
@@ -282,5 +290,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     status = main(sys.argv[1:])
-    from npu.ranks import leave_process
+    from npu.leaving import leave_process
     leave_process(status)

@@ -2,16 +2,20 @@
 
 Two sockets, one per direction (appliance/engine/process/client.py binds both, the core connects):
 
-    front -> core   commands    Prepare, Start, Submit, Abort, Drain, Shutdown; each carries a call id, and every
-                                one but Abort is answered by a Reply with the same id
-    core -> front   events      Outputs (the deltas of one or more engine steps, in order), Reply, Stats (a new
+    front -> core   commands    Prepare, Start, Submit, Abort, Stop, Drain, Shutdown; each carries a call id, and
+                                every one but Abort and Stop is answered by a Reply with the same id
+    core -> front   events      Outputs (the CoreOutputs of one or more engine steps, in order: token ids,
+                                logprobs, the core's finish reasons; no text), Reply, Stats (a new
                                 snapshot, sent when it changed), Beat (nothing else went out for a while: alive),
                                 Failed (the engine stopped for good: a rank died)
 
 A request is named on the wire by the call id of its Submit, never by its request_id: a client may reuse a
-request_id as soon as its call ends, and an abort must reach this request, not a later one holding the same id.
+request_id as soon as its call ends, and an abort must reach this request, not a later one holding the same id. The
+core never sees request_ids: its Engine admits each request under str(call id), the CoreOutputs' request_id. The
+front end detokenizes and finds stop strings (appliance.engine.output.OutputProcessor); a stop string it finds ends
+the request there at once and is sent to the core as Stop, which frees the request's blocks and counts it STOP.
 Events go out on one socket from one thread in the order they happened, so a Reply to Drain arrives after every
-delta the drain streamed. The payload types (RequestOutput, SamplingParams, StartupReport, EngineStats) are the
+delta the drain streamed. The payload types (CoreOutput, SamplingParams, StartupReport, EngineStats) are the
 engine's own frozen dataclasses, which msgspec encodes and decodes as they are: no second copy of them here.
 """
 
@@ -21,8 +25,9 @@ from typing import Union
 
 import msgspec
 
-from appliance.core.request import RequestOutput, SamplingParams
+from appliance.core.request import SamplingParams
 from appliance.core.startup_report import StartupReport
+from appliance.engine.output import CoreOutput
 from appliance.engine.stats import EngineStats
 
 # -- front -> core ---------------------------------------------------------------------------------------------
@@ -44,13 +49,19 @@ class Submit(msgspec.Struct, tag=True, frozen=True):
     """A request the front end has validated and tokenized; the core admits it (or refuses: queue full...)."""
 
     call: int
-    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
     """Abort the request of Submit `call` (nothing when it has finished); its last delta still comes back."""
+
+    call: int
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    """The front end's output processor ended the request of Submit `call` on a stop string (its stream is over):
+    the core finishes it STOP, unless a core rule finished it first; nothing more comes back for it."""
 
     call: int
 
@@ -68,13 +79,13 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     call: int
 
 
-Command = Union[Prepare, Start, Submit, Abort, Drain, Shutdown]
+Command = Union[Prepare, Start, Submit, Abort, Stop, Drain, Shutdown]
 
 # -- core -> front ---------------------------------------------------------------------------------------------
 
 
 class Fault(msgspec.Struct, frozen=True):
-    """An exception raised in the core, as the front end re-raises it (client.fault_error): `kind` picks the type,
+    """An exception raised in the core, as the front end re-raises it (faults.fault_error): `kind` picks the type,
     `message` is its text (for a startup fault the whole user-facing message), `field` a RequestError's field."""
 
     kind: str            # startup | request | queue_full | unavailable | error
@@ -100,9 +111,9 @@ class Reply(msgspec.Struct, tag=True, frozen=True):
 
 
 class Outputs(msgspec.Struct, tag=True, frozen=True):
-    """Deltas in the order the engine emitted them: (call id of the request's Submit, the delta)."""
+    """CoreOutputs in the order the engine emitted them (request_id: the call id of the request's Submit)."""
 
-    items: list[tuple[int, RequestOutput]]
+    items: list[CoreOutput]
 
 
 class Stats(msgspec.Struct, tag=True, frozen=True):
