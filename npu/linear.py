@@ -1,27 +1,33 @@
-"""Projections (y = x W^T) on the fastest matmul path torch offers for the device, dtype and batch size.
+"""Projections (y = x W^T) on the fastest matmul path torch offers for the device, dtype, CPU and batch size.
 
-Measured inside Qwen3Runner steps (decode at 192 tokens of context, the benchmark model, torch 2.13, on the
-2-core Sapphire Rapids host):
-- bfloat16 on CPU: oneDNN's AMX kernels on a weight reordered once at load into oneDNN's blocked layout
+- bfloat16 on CPU: oneDNN on a weight reordered once at load into oneDNN's blocked layout
   (torch.ops.mkldnn._reorder_linear_weight and _linear_pointwise, what inductor's weight freezing emits for
   bf16). F.linear reorders the weight on every call; the packed call is 1.5-2.5x faster at every row count
-  (one thread, the 32000 x 512 head: 1 row 2.1 -> 1.4 ms, 64 rows 5.8 -> 1.9 ms, 512 rows 19.6 -> 15.6 ms;
-  a 512 x 3072 projection at 64 rows 0.39 -> 0.20 ms). Its values equal F.linear's up to 32 rows and
-  differ by bf16 rounding above (another blocking of the sums). Only the packed copy is kept: a bf16
-  weight is not held twice.
-- float32 on CPU: MKL's packed GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 weight freezing) for 2-256
-  rows; of the benchmark model only the 32000 x 512 head is packed (see PACKED_MAX_GROWTH): a step at 8
-  rows 23-26 -> 19 ms, at 32 rows 34-36 -> 30 ms, at 64 rows 50-54 -> 48-49 ms (one thread, under load).
-  Its values equal F.linear's (bit for bit from 64 rows on, within float32 rounding below). One row reads
-  the packed copy, which is larger than the weight: F.linear runs there, and above 256 rows, where both are
-  the same GEMM. oneDNN's packed fp32 path is no faster than F.linear here.
+  (Sapphire Rapids, one thread, the 32000 x 512 head: 1 row 2.1 -> 1.4 ms, 64 rows 5.8 -> 1.9 ms, 512 rows
+  19.6 -> 15.6 ms; AMD EPYC with avx512_bf16, two threads, the 32000 x 768 head: 1 row 2.4 -> 0.95 ms, 64 rows
+  9.2 -> 7.6 ms). Its values equal F.linear's up to 32 rows and differ by bf16 rounding above (another
+  blocking of the sums). Only the packed copy is kept: a bf16 weight is not held twice.
+- float32 on CPU, by the CPU's maker (cpu_fp32_gemm; APPLIANCE_CPU_FP32_GEMM=mkl|onednn|torch overrides):
+  - Intel: MKL's packed GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 weight freezing) for 2-256 rows,
+    where a weight's packed copy is at most PACKED_MAX_GROWTH times its size (on the benchmark model only the
+    32000 x 512 head): a Sapphire Rapids step at 8 rows 23-26 -> 19 ms, at 64 rows 50-54 -> 48-49 ms (one
+    thread). One row, and above 256 rows, F.linear (the same GEMM). oneDNN's packed fp32 path was no faster
+    than F.linear there.
+  - any other maker (AMD): oneDNN's packed fp32 GEMM, the bf16 path's two ops on a float32 weight. MKL takes
+    its slow generic code on these CPUs: on an AMD EPYC (two threads, min of 30 calls) F.linear and MKL's
+    packed GEMM are 1.1-1.8x slower than oneDNN at 1 and 64-512 rows and 2-6x at 2-16 rows (a 2048 x 768
+    projection at 4 rows 302 against 79 us, at 64 rows 1,163 against 885 us; the 32000 x 768 head at 64 rows
+    31 against 15 ms). The packed copy is the weight's size, and only it is kept.
 - anywhere else (accelerators, other dtypes): F.linear.
 Packed copies are counted by tensors(), so the startup profile sees their memory.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +38,48 @@ MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for
 # 7.9 MB): a weight is packed only where the copy is at most this many times its size (the 32000 x 512 head:
 # 1.36x; the benchmark model's layer weights, 0.4-1.6M values, would be 2.3-6x and stay unpacked).
 PACKED_MAX_GROWTH = 1.5
-ONEDNN_PACK_ROWS = 64                  # the batch size oneDNN lays the bf16 weight out for (any row count runs)
+ONEDNN_PACK_ROWS = 64                  # the batch size oneDNN lays the weight out for (any row count runs)
+FP32_GEMM_SWITCH = "APPLIANCE_CPU_FP32_GEMM"
+Fp32Gemm = Literal["mkl", "onednn", "torch"]
+
+
+@functools.cache
+def cpu_fp32_gemm() -> Fp32Gemm:
+    """The float32 CPU GEMM this host takes: $APPLIANCE_CPU_FP32_GEMM when set, else MKL on Intel CPUs and
+    oneDNN on every other maker's (module docstring), falling back to torch (F.linear) where the library is
+    not in this torch build."""
+    chosen = os.environ.get(FP32_GEMM_SWITCH) or ("mkl" if cpu_vendor() == "GenuineIntel" else "onednn")
+    if chosen not in ("mkl", "onednn", "torch"):
+        raise ValueError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch")
+    if chosen == "mkl" and not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return "torch"
+    if chosen == "onednn" and not (torch.backends.mkldnn.is_available()
+                                   and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "torch"
+    return chosen  # type: ignore[return-value]
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none (not Linux x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def _cpu_fp32(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 def _mkl_packs(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+    return _cpu_fp32(weight) and cpu_fp32_gemm() == "mkl"
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
+    if _cpu_fp32(weight):
+        return cpu_fp32_gemm() == "onednn"
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -49,8 +88,8 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Projection:
     """A weight [out, in] as the fastest path for its device and dtype wants it, made once when weights are
-    installed: the plain weight (F.linear), plus MKL's packed copy (CPU float32), or only oneDNN's packed copy
-    (CPU bfloat16; then `weight` is None)."""
+    installed: the plain weight (F.linear), plus MKL's packed copy (CPU float32 on Intel), or only oneDNN's
+    packed copy (CPU bfloat16, CPU float32 elsewhere; then `weight` is None)."""
 
     weight: torch.Tensor | None
     mkl_packed: torch.Tensor | None = None

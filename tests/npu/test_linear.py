@@ -4,14 +4,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu.linear import ONEDNN_PACK_ROWS, Projection
+from npu import linear
+from npu.linear import FP32_GEMM_SWITCH, ONEDNN_PACK_ROWS, Projection, cpu_fp32_gemm
 
 ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
 
 
+@pytest.fixture
+def fp32_gemm(monkeypatch):
+    """Force the float32 path by its switch, whatever this CPU's maker (both paths run on either kind)."""
+    def force(path: str | None) -> None:
+        if path is None:
+            monkeypatch.delenv(FP32_GEMM_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(FP32_GEMM_SWITCH, path)
+        cpu_fp32_gemm.cache_clear()
+    yield force
+    cpu_fp32_gemm.cache_clear()
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(16384, 512), (96, 64)])      # packed by MKL in fp32 / left plain
-def test_projection_equals_x_times_w_transposed(dtype, shape):
+def test_projection_equals_x_times_w_transposed(dtype, shape, gemm, fp32_gemm):
+    fp32_gemm(gemm)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g).to(dtype)
     proj = Projection.of(w)
@@ -23,6 +39,37 @@ def test_projection_equals_x_times_w_transposed(dtype, shape):
         # the float32 reference's own rounding, or one bf16 rounding of the output plus the sum's
         tol = 1e-4 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * float(exact.abs().amax()) if rows else 0.0)
+
+
+@pytest.mark.parametrize(("vendor", "chosen"), [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"),
+                                                 ("HygonGenuine", "onednn"), ("", "onednn")])
+def test_float32_gemm_follows_the_cpu_maker(monkeypatch, fp32_gemm, vendor, chosen):
+    """MKL's fast code is Intel's; on AMD it is 2-6x slower than oneDNN at decode row counts (npu/linear.py)."""
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    fp32_gemm(None)
+    assert cpu_fp32_gemm() == chosen
+    w = torch.randn(16384, 512)                  # large enough for MKL to pack (PACKED_MAX_GROWTH)
+    proj = Projection.of(w)
+    if chosen == "onednn":
+        assert proj.weight is None and proj.mkl_packed is None and proj.tensors() == [proj.onednn_packed]
+    else:
+        assert proj.onednn_packed is None and proj.weight is w and proj.mkl_packed is not None
+
+
+def test_float32_gemm_switch_overrides_the_maker_and_refuses_a_typo(monkeypatch, fp32_gemm):
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    fp32_gemm("torch")
+    w = torch.randn(96, 64)
+    assert Projection.of(w).tensors() == [w]
+    fp32_gemm("mlk")
+    with pytest.raises(ValueError, match="APPLIANCE_CPU_FP32_GEMM='mlk': expected mkl, onednn or torch"):
+        cpu_fp32_gemm()
+
+
+def test_cpu_vendor_reads_this_host():
+    with open("/proc/cpuinfo") as f:
+        listed = [line.split(":")[1].strip() for line in f if line.startswith("vendor_id")]
+    assert linear.cpu_vendor() == (listed[0] if listed else "")
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -60,7 +107,7 @@ class EmulatedOneDnn:
         return x @ packed
 
 
-def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch):
+def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch, fp32_gemm):
     """The packed path where oneDNN bf16 cannot run (this AVX2 host): packed once at ONEDNN_PACK_ROWS, the
     plain weight dropped, every call routed to the packed copy with no bias and no fused activation."""
     onednn = EmulatedOneDnn()
@@ -76,4 +123,5 @@ def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch):
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         torch.testing.assert_close(proj(x), F.linear(x, w))
     assert onednn.calls == [(None, "none", [], "")] * len(ROWS)
-    assert Projection.of(w.float()).onednn_packed is None          # float32 never takes the bf16 path
+    fp32_gemm("mkl")
+    assert Projection.of(w.float()).onednn_packed is None          # float32 takes oneDNN only where chosen
