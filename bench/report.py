@@ -34,6 +34,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+CPU_FEATURES = ("avx512f", "avx512_bf16", "amx_bf16")    # what decides which bf16 kernels a CPU engine can use
+
+
+def cpu_features() -> str:
+    """Which of CPU_FEATURES /proc/cpuinfo's flags show, e.g. "avx512f avx512_bf16, no amx_bf16": a table's
+    figures mean little without them (vLLM's and our bf16 paths differ with AVX-512 BF16 and AMX)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    has = [name for name in CPU_FEATURES if name in flags]
+    lacks = [name for name in CPU_FEATURES if name not in flags]
+    return " ".join(has) + (", " if has and lacks else "") + ("no " + " ".join(lacks) if lacks else "")
+
+
+def cpu_and_load() -> str:
+    """The line heading each table of the peer benchmarks: the CPU, its bf16-relevant flags, the load now."""
+    return (f"CPU: {cpu_model()} ({cpu_features()}), {usable_cores()} cores; "
+            f"load average (1/5/15 min) {format_load(os.getloadavg())}")
+
+
 def memory_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:

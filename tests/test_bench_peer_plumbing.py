@@ -1,0 +1,59 @@
+"""The peer benchmarks' plumbing without running a system: shapes, cold and warm calls, a row per concurrency.
+A full run takes minutes and the vLLM venv; a wrong key or name would only show at its end."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_peers  # noqa: E402  (bench/ is not a package)
+import bench_serve_peers  # noqa: E402
+import peer_shapes  # noqa: E402
+
+
+def test_shapes_parse_in_order_and_the_default_keeps_its_checkpoint_names():
+    assert [s.name for s in peer_shapes.parse_shapes("6x768, 4x512")] == ["6x768", "4x512"]
+    assert peer_shapes.SHAPES["4x512"].checkpoint_name("bfloat16") == "qwen3-tiny-bf16"
+    assert peer_shapes.SHAPES["8x2048kv1"].checkpoint_name("float32") == "qwen3-8x2048kv1-fp32"
+    with pytest.raises(SystemExit, match="4x513"):
+        peer_shapes.parse_shapes("4x513")
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+    shape = peer_shapes.SHAPES["6x768"]
+    path = tmp_path / shape.checkpoint_name("float32")
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 512}))
+    with pytest.raises(SystemExit, match="is not shape 6x768"):
+        peer_shapes.checkpoint(tmp_path, shape, "float32")
+
+
+def test_the_warm_workload_follows_the_cold_one_with_fresh_prompts():
+    calls = bench_peers.QUICK.calls()
+    cold, warm = calls[0], calls[1]
+    assert (cold["name"], warm["name"]) == ("workload-cold", "workload-warm")
+    assert cold["gen_len"] == warm["gen_len"] and len(cold["prompts"]) == len(warm["prompts"])
+    assert not {tuple(p) for p in cold["prompts"]} & {tuple(p) for p in warm["prompts"]}
+    seconds = {c["name"]: {"seconds": 1.0, "output_tokens": 100} for c in calls}
+    assert {"cold_tok_s", "warm_tok_s"} <= set(bench_peers.QUICK.metrics(seconds))
+
+
+def test_serve_peers_has_a_row_per_concurrency_with_scaled_requests():
+    args = bench_serve_peers.argparse.Namespace(requests=None, input_len=128, output_len=64,
+                                                concurrency=bench_serve_peers.parse_concurrency("1,8,32"))
+    works = bench_serve_peers.workloads(args)
+    assert [(w.concurrency, w.requests) for w in works] == [(1, 8), (8, 32), (32, 128)]
+    result = bench_serve_peers.ClientResult(8, 0, 100.0, 50.0, 5.0, ("x",))
+    sessions = [bench_serve_peers.Session(system, 0, "4x512", (0, 0, 0), (0, 0, 0), 1.0,
+                                          {("vllm bench serve", w.concurrency): result for w in works})
+                for system in bench_serve_peers.SYSTEMS]
+    rows = bench_serve_peers.table(sessions, ["vllm bench serve"], works)[2:]
+    assert [row.split(" | ")[1:4] for row in rows] == [
+        [str(w.concurrency), str(w.requests), system] for w in works for system in bench_serve_peers.SYSTEMS]
+    assert bench_serve_peers.agreement(sessions) == "3 of 3"
