@@ -167,9 +167,9 @@ class EngineCore:
                 elif kind == "abort" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
                     self._finish_aborted(self._live.pop(item.request_id))
                 elif kind == "stop" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
-                    self._free(self._live.pop(item.request_id), FinishReason.STOP)
-                    if item.stop_kept_tokens is not None:
+                    if item.stop_kept_tokens is not None:       # (before it counts as finished: one snapshot)
                         self.stats.discount_tokens(max(len(item.output_token_ids) - item.stop_kept_tokens, 0))
+                    self._free(self._live.pop(item.request_id), FinishReason.STOP)
                 elif kind == "flush" and isinstance(item, threading.Event):
                     item.set()
                 kind, item = self._inbox.get_nowait()
