@@ -1,6 +1,7 @@
 """`python -m appliance` says it is starting before anything heavy loads: its first line comes while the
 process is still importing (before Hydra and torch), so a launch on a busy host is never silent. Read from the
-process's own output order (python -X importtime logs every import as it happens), not from timings."""
+processes' own output order (PYTHONPROFILEIMPORTTIME logs every import as it happens, in the server's process and in
+the engine core's, which loads torch when server.engine_process=true), not from timings."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from appliance.__main__ import launch_line
 from tests.conftest import REPO
 
 
-def test_the_first_line_comes_before_hydra_torch_and_listening(tmp_path):
-    environ = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "appliance", "device=cpu", "server.port=0",
-                             "server.http_port=null", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=environ,
+@pytest.mark.parametrize("engine_process", ["true", "false"])
+def test_the_first_line_comes_before_hydra_torch_and_listening(tmp_path, engine_process):
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPROFILEIMPORTTIME": "1"}   # the core process's too
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "device=cpu", "server.port=0",
+                             "server.http_port=null", f"server.engine_process={engine_process}",
+                             f"hydra.run.dir={tmp_path}"], cwd=REPO, env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

@@ -123,7 +123,7 @@ class ServerSettings:
     http_max_connections: int              # open HTTP connections; beyond it the longest-waiting idle one is closed
     # The engine core (scheduler, KV manager, device steps) in a process of its own, joined to the front ends by ZMQ
     # (appliance/engine/process/); false: one process, the engine on a thread of the server's.
-    engine_process: bool = False
+    engine_process: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

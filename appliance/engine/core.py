@@ -109,9 +109,11 @@ class EngineCore:
         """End seq ABORTED at the loop's next iteration, unless it has finished by then."""
         self._inbox.put(("abort", seq))
 
-    def stop(self, seq: Sequence) -> None:
+    def stop(self, seq: Sequence, kept_tokens: int | None = None) -> None:
         """End seq STOP at the loop's next iteration, unless it has finished by then: a front end's output processor
-        found a stop string and has streamed its end already (split mode), so nothing more goes out for it."""
+        found a stop string and has streamed its end already (split mode), so nothing more goes out for it.
+        kept_tokens: the output tokens it delivered; the loop uncounts those it generated beyond them."""
+        seq.stop_kept_tokens = kept_tokens
         self._inbox.put(("stop", seq))
 
     def flush(self) -> threading.Event:
@@ -165,6 +167,8 @@ class EngineCore:
                 elif kind == "abort" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
                     self._finish_aborted(self._live.pop(item.request_id))
                 elif kind == "stop" and isinstance(item, Sequence) and self._live.get(item.request_id) is item:
+                    if item.stop_kept_tokens is not None:       # (before it counts as finished: one snapshot)
+                        self.stats.discount_tokens(max(len(item.output_token_ids) - item.stop_kept_tokens, 0))
                     self._free(self._live.pop(item.request_id), FinishReason.STOP)
                 elif kind == "flush" and isinstance(item, threading.Event):
                     item.set()
@@ -294,6 +298,8 @@ class EngineCore:
                 self._free(u.seq, reason)
                 finished.append(u.seq)
         self._record_tokens([u.seq for u in updates], first, appended)
+        if finished:                          # the figures a finished request's client may read next are current
+            self._publish_stats()
         processed.deliver()
         return finished
 
@@ -306,6 +312,7 @@ class EngineCore:
     def _finish_aborted(self, seq: Sequence) -> None:
         """End seq ABORTED outside a step's output (an abort, a failed retry, the failure) and stream its end."""
         self._free(seq, FinishReason.ABORTED)
+        self._publish_stats()
         self.outputs.process_outputs([self._core_output(seq, [], [], FinishReason.ABORTED)]).deliver()
 
     def _free(self, seq: Sequence, reason: FinishReason) -> None:

@@ -252,13 +252,14 @@ class Engine:
             del self._in_flight[seq.request_id]
             self._started().abort(seq)
 
-    def stop(self, request_id: str) -> None:
+    def stop(self, request_id: str, kept_tokens: int | None = None) -> None:
         """Finish the request holding request_id as STOP (a front end's processor found a stop string and ended its
-        stream): its id is free at once, the loop frees its blocks and counts it stopped at its next step."""
+        stream): its id is free at once, the loop frees its blocks and counts it stopped at its next step.
+        kept_tokens: the output tokens the front end delivered (generated tokens beyond them are not counted)."""
         with self._lock:
             seq = self._in_flight.pop(request_id, None)
             if seq is not None:
-                self._started().stop(seq)
+                self._started().stop(seq, kept_tokens)
 
     def release(self, seq: Sequence) -> None:
         """The core finished seq: its request_id is free (unless an abort freed it already)."""

@@ -43,6 +43,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.error_field: str | None = None  # set with error when the request's own field is at fault (its grammar)
+        self.stop_kept_tokens: int | None = None   # a front end's stop string: the output tokens it delivered
         # Prompt logprobs asked for: of each prompt token (None for the first); filled in order (a preempted request
         # recomputes its prompt but keeps those already computed), handed on once all are known.
         self.prompt_logprobs: list[TokenLogprob | None] | None = \

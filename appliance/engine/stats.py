@@ -151,6 +151,12 @@ class StatsRecorder:
                     self._spec_proposed[k] += 1
                     self._spec_accepted[k] += k < num_accepted
 
+    def discount_tokens(self, num_tokens: int) -> None:
+        """Sampled tokens counted in a step that no client received: computed past a stop string that a front end
+        found after the step (split mode; the in-process engine counts only the kept tokens in the first place)."""
+        with self._lock:
+            self._generation_tokens -= num_tokens
+
     def record_failed_step(self) -> None:
         with self._lock:
             self._failed_steps += 1

@@ -139,3 +139,24 @@ def test_an_aborted_request_id_is_free_at_once():
             assert list(old)[-1].finish_reason is FinishReason.ABORTED
         assert engine.num_in_flight() == 0
         assert free_blocks(engine) == total_blocks(engine)
+
+
+def test_a_front_end_s_stop_counts_only_the_tokens_it_kept():
+    """Engine.stop from a front end that found a stop string (split mode): the tokens the loop generated past the
+    kept ones are not counted as generated, so generation_tokens is what clients received."""
+    import time
+
+    with Appliance.from_config(MODELS["qwen3_tiny"]) as app:
+        engine = app.engine
+        before = engine.stats()
+        outputs = iter(engine.submit("front-stop", prompts(1, 10, 10, seed=5)[0], greedy(200)))
+        received = 0
+        while received < 3:                                   # streaming: the loop may run ahead of us
+            received += len(next(outputs).new_token_ids)
+        engine.stop("front-stop", kept_tokens=2)
+        deadline = time.monotonic() + 60
+        while engine.stats().finished.get("stop", 0) == before.finished.get("stop", 0):
+            assert time.monotonic() < deadline, "the loop did not free the stopped request"
+            time.sleep(0.01)
+        assert engine.stats().generation_tokens - before.generation_tokens == 2
+        assert free_blocks(engine) == total_blocks(engine)

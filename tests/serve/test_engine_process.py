@@ -168,7 +168,8 @@ def split_stop(deltas: list[str]) -> str:
 
 def test_a_stop_string_across_tokens_streams_as_in_process_and_the_core_frees_and_counts_it(served):
     """The front end finds the stop string (split over two tokens, held back) and streams the in-process engine's
-    deltas and usage exactly; the core frees the request's blocks and counts it finished by stop, not aborted; and
+    deltas and usage exactly; the core frees the request's blocks and counts it finished by stop, not aborted, and
+    counts as generated only the tokens the client received (not those it computed past the stop string); and
     its request_id is free again at once."""
     from appliance.engine.engine import Engine
 
@@ -185,6 +186,7 @@ def test_a_stop_string_across_tokens_streams_as_in_process_and_the_core_frees_an
     assert any(o.new_token_ids and not o.new_text for o in expected)        # a delta held back
     wait_for(served.all_free, 30, "blocks back")
     before = served.engine.stats().finished
+    tokens_before = served.engine.stats().generation_tokens
     got = collect(served.engine, "stopped", prompt, params)
     again = collect(served.engine, "stopped", prompt, params)             # the same request_id, at once
     assert got == expected and again == expected
@@ -194,6 +196,9 @@ def test_a_stop_string_across_tokens_streams_as_in_process_and_the_core_frees_an
         return finished.get("stop", 0) == before.get("stop", 0) + 2 and served.all_free()
     wait_for(counted, 30, "the core to free both requests and count them stopped")
     assert served.engine.stats().finished.get("aborted", 0) == before.get("aborted", 0)
+    received = sum(len(o.new_token_ids) for o in got + again)
+    assert received == 2 * expected[-1].usage.completion_tokens
+    assert served.engine.stats().generation_tokens - tokens_before == received
     assert served.engine.num_in_flight() == 0
 
 
@@ -226,6 +231,18 @@ def test_a_full_wait_queue_is_resource_exhausted_and_429(served):
             call.cancel()
     wait_for(lambda: served.engine.num_in_flight() == 0, 30, "the cancels")
     wait_for(served.all_free, 30, "blocks back")
+
+
+def test_metrics_and_stats_count_a_finished_request_before_its_client_hears_the_end(served):
+    """The core sends its stats snapshot ahead of a request's last output: read right after, nothing lags."""
+    wait_for(served.all_free, 30, "blocks back")
+    before = served.client.stub.Stats(pb.StatsRequest(), timeout=10)
+    status, body = post(f"{served.http}/v1/completions", {"prompt": "count me", "max_tokens": 3, "ignore_eos": True})
+    assert status == 200, body
+    after = served.client.stub.Stats(pb.StatsRequest(), timeout=10)      # at once: no wait
+    assert after.generation_tokens - before.generation_tokens == 3
+    assert after.requests_finished["length"] - before.requests_finished["length"] == 1
+    assert after.prompt_tokens - before.prompt_tokens == body["usage"]["prompt_tokens"]
 
 
 def test_metrics_and_stats_read_the_core(served):

@@ -1,7 +1,8 @@
 """A spawned rank killed while serving (kill -9): the server says so at once and ends, rather than serving
 requests that can only fail.
 
-In process (the owner is this test's server, rank 1 its child): health NOT_SERVING, GET /health 503, Stats
+In process (the owner is this test's server, rank 1 its child; or, with the engine core in its own process, that
+process, rank 1 its child: both are run): health NOT_SERVING, GET /health 503, Stats
 "failed", the dead child reaped (no zombie), the in-flight request failed UNAVAILABLE naming the rank, no
 transport internals. As users run it (`python -m appliance`): the same for the client, then exit status 1
 with no rank left behind. The test waits for states (a request streaming, the server failed), never a time.
@@ -27,7 +28,7 @@ from appliance.config.compose import load_runtime_config
 from appliance.serve.api import appliance_pb2 as pb
 from appliance.serve.server import ApplianceServer
 from tests.conftest import REPO
-from tests.serve.test_ranks_cli import Output, children, env
+from tests.serve.test_ranks_cli import Output, env, spawned_ranks
 from tests.serve.test_server import Running, wait_for
 
 DP2_EP2 = ["+model=dsv4_tiny", "device=cpu", "device.count=2", "parallel.data_parallel_size=2",
@@ -62,10 +63,6 @@ def assert_names_the_rank(err: grpc.RpcError, pid: int) -> None:
     assert not any(word in err.details() for word in INTERNALS), err.details()
 
 
-def spawned_ranks(owner: int) -> list[int]:
-    return [c for c in children(owner) if "npu.worker" in Path(f"/proc/{c}/cmdline").read_text()]
-
-
 def state_letter(pid: int) -> str | None:
     """The process's state (Z: a zombie nobody reaped), None once it is reaped."""
     try:
@@ -98,12 +95,16 @@ class HeldShutdown(ApplianceServer):
         await super()._shutdown()
 
 
-def test_a_killed_rank_fails_health_and_requests_and_the_server_stops(monkeypatch, one_torch_thread):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["one-process", "engine-process"])
+def test_a_killed_rank_fails_health_and_requests_and_the_server_stops(monkeypatch, one_torch_thread, engine_process):
     from appliance.engine.engine import Engine
+    from appliance.engine.process.client import EngineProcessClient
 
     rc = load_runtime_config(DP2_EP2 + ["server.port=0", "server.http_port=0"])
     monkeypatch.setattr("tests.serve.test_server.ApplianceServer", HeldShutdown)
-    srv = Running(rc, Engine(rc))
+    HeldShutdown.release.clear()
+    engine = EngineProcessClient(rc, pin_cpus=False) if engine_process else Engine(rc)
+    srv = Running(rc, engine)
     try:
         srv.wait_serving(300)
         (rank,) = spawned_ranks(os.getpid())

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from appliance.config.compose import load_runtime_config
 from tests.conftest import REPO
 from tests.serve.fake_engine import FakeEngine
-from tests.serve.test_rank_death import DP2_EP2, INTERNALS, finish_error, spawned_ranks, state_letter
+from tests.serve.test_rank_death import DP2_EP2, INTERNALS, finish_error, state_letter
 from tests.serve.test_rank_death import stream_until_first_token as first_token_of_a_stream
-from tests.serve.test_ranks_cli import Output, env
+from tests.serve.test_ranks_cli import Output, env, spawned_ranks
 from tests.serve.test_server import Running, wait_for
 
 STEP_TIMEOUT_S = 5.0

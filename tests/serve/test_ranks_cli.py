@@ -1,6 +1,7 @@
 """`python -m appliance` over two ranks, as users run it: spawned by the appliance (device.count=2) or started by
 torchrun across two "hosts" on loopback; a rank that fails at startup ends the launch with exit 2 naming it;
-SIGTERM stops every rank (their PIDs are gone afterwards)."""
+SIGTERM stops every rank (their PIDs are gone afterwards). The spawned ranks are found among the server's
+descendants: its children with the engine in its process, the engine core process's (server.engine_process=true)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,36 @@ def wait_for(cond, timeout: float, what: str) -> None:
 def children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:                    # a thread that ended meanwhile
+            pass
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Its children, their children, and so on (a process that ended meanwhile has none)."""
+    found, todo = [], [pid]
+    while todo:
+        try:
+            kids = children(todo.pop())
+        except FileNotFoundError:
+            continue
+        found += kids
+        todo += kids
+    return found
+
+
+def spawned_ranks(server: int) -> list[int]:
+    """The rank processes a server spawned, wherever they are below it."""
+    ranks = []
+    for pid in descendants(server):
+        try:
+            if "npu.worker" in Path(f"/proc/{pid}/cmdline").read_text():
+                ranks.append(pid)
+        except FileNotFoundError:
+            pass
+    return ranks
 
 
 def gone(pid: int) -> bool:
@@ -85,19 +114,20 @@ def spawned(tmp_path_factory):
     out = Output(proc)
     try:
         tokens = greedy_tokens(out.address())
-        ranks = [c for c in children(proc.pid) if "npu.worker" in Path(f"/proc/{c}/cmdline").read_text()]
+        ranks = spawned_ranks(proc.pid)
+        below = descendants(proc.pid)            # the engine core process too, when it has one
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return {"tokens": tokens, "ranks": ranks, "status": status, "output": out.text}
+    return {"tokens": tokens, "ranks": ranks, "below": below, "status": status, "output": out.text}
 
 
 def test_sigterm_stops_every_rank(spawned):
     assert len(spawned["ranks"]) == 1, spawned["output"][-3000:]          # rank 1, spawned by the owner
     assert spawned["status"] == 0 and "stopped" in spawned["output"]
-    wait_for(lambda: all(gone(pid) for pid in spawned["ranks"]), 30, "rank processes to exit")
+    wait_for(lambda: all(gone(pid) for pid in spawned["below"]), 30, "rank and core processes to exit")
 
 
 def test_torchrun_across_two_nodes_serves_the_tokens_of_device_count_2(spawned, tmp_path):
@@ -112,7 +142,7 @@ def test_torchrun_across_two_nodes_serves_the_tokens_of_device_count_2(spawned, 
     outputs = [Output(a) for a in agents]
     try:
         assert greedy_tokens(outputs[0].address()) == spawned["tokens"]
-        ranks = [pid for agent in agents for pid in children(agent.pid)]
+        ranks = [pid for agent in agents for pid in descendants(agent.pid)]
         owner = children(agents[0].pid)[0]
         os.kill(owner, signal.SIGTERM)                  # the owner drains, then stops rank 1
         assert [a.wait(120) for a in agents] == [0, 0], "\n".join(o.text[-2000:] for o in outputs)

@@ -211,9 +211,9 @@ class EngineProcessClient:
         if isinstance(event, m.Outputs):
             assert self._table is not None
             processed, stopped = self._table.process(event.items)
-            for call in stopped:                # the core frees them (and counts them STOP)
+            for call, kept in stopped.items():  # the core frees them (and counts them STOP, and `kept` tokens)
                 try:
-                    self._child.send(m.Stop(call))
+                    self._child.send(m.Stop(call, kept))
                 except EngineUnavailableError:
                     pass
             processed.deliver()

@@ -49,12 +49,14 @@ from appliance.core.tokenizer import Tokenizer
 from appliance.engine.output import CoreOutput, OnOutput
 from appliance.engine.process import messages as m
 from appliance.engine.process.faults import fault
+from appliance.engine.stats import EngineStats
 
 log = logging.getLogger("appliance.engine.process.core")
 
 STATS_EVERY_S = 0.05      # an idle sender wakes this often to send the stats snapshot if it changed
 CONSTRAINT_WORKERS = 4    # Submits whose grammars compile off the command thread
 SEND_LINGER_MS = 2000     # at exit: how long the last events (Shutdown's Reply) may take to leave
+STATS_NOW = m.Stats(EngineStats())   # in the outbox: the sender sends a fresh snapshot there
 
 
 
@@ -104,7 +106,7 @@ class CoreProcess:
         self._events.setsockopt(zmq.SNDHWM, 0)
         self._events.connect(events)
         self._encoder = m.encoder()
-        self._outbox: collections.deque[CoreOutput | m.Reply | m.Failed] = collections.deque()
+        self._outbox: collections.deque[CoreOutput | m.Reply | m.Failed | m.Stats] = collections.deque()
         self._wake = threading.Event()
         self._done = threading.Event()        # Shutdown replied: the sender sends what is left and ends
         self._lock = threading.Lock()
@@ -132,7 +134,7 @@ class CoreProcess:
             elif isinstance(cmd, m.Abort):
                 self._abort(cmd.call)
             elif isinstance(cmd, m.Stop):
-                self.engine.stop(str(cmd.call))
+                self.engine.stop(str(cmd.call), cmd.kept)
             elif isinstance(cmd, m.Prepare):
                 self._in_thread("prepare", cmd.call, functools.partial(self._prepare, cmd))
             elif isinstance(cmd, m.Start):
@@ -224,7 +226,11 @@ class CoreProcess:
         return Forward(list(core_outputs), self)
 
     def put_outputs(self, items: list[CoreOutput]) -> None:
-        """Queued for the sender (nothing slow on the loop thread)."""
+        """Queued for the sender (nothing slow on the loop thread). Outputs that finish a request go after a stats
+        snapshot the sender takes when it gets to them (the loop counted and published them before delivering): the
+        front end holds it before its client hears the end, so /metrics and Stats read right after are current."""
+        if any(item.finish_reason is not None for item in items):
+            self._outbox.append(STATS_NOW)
         self._outbox.extend(items)
         self._wake.set()
 
@@ -239,7 +245,7 @@ class CoreProcess:
     def _send_loop(self) -> None:
         from npu.liveness import beat_interval
         beat_s = beat_interval(self.rc.parallel.step_timeout_s)
-        last_stats = None
+        last_stats: EngineStats | None = None
         next_stats = 0.0
         self._last_sent = time.monotonic()
         while True:
@@ -254,6 +260,9 @@ class CoreProcess:
                 if batch:
                     self._send(m.Outputs(batch))
                     batch = []
+                if item is STATS_NOW:         # taken here: the snapshots go out in the order they were taken
+                    last_stats = self.engine.stats()
+                    item = m.Stats(last_stats)
                 self._send(item)
             if batch:
                 self._send(m.Outputs(batch))

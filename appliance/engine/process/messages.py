@@ -6,7 +6,8 @@ Two sockets, one per direction (appliance/engine/process/client.py binds both, t
                                 every one but Abort and Stop is answered by a Reply with the same id
     core -> front   events      Outputs (the CoreOutputs of one or more engine steps, in order: token ids,
                                 logprobs, the core's finish reasons; no text), Reply, Stats (a new
-                                snapshot, sent when it changed), Beat (nothing else went out for a while: alive),
+                                snapshot, sent when it changed, and always just before Outputs that finish
+                                a request: the front's figures never lag an answer it delivered), Beat (nothing else went out for a while: alive),
                                 Failed (the engine stopped for good: a rank died)
 
 A request is named on the wire by the call id of its Submit, never by its request_id: a client may reuse a
@@ -61,9 +62,11 @@ class Abort(msgspec.Struct, tag=True, frozen=True):
 
 class Stop(msgspec.Struct, tag=True, frozen=True):
     """The front end's output processor ended the request of Submit `call` on a stop string (its stream is over):
-    the core finishes it STOP, unless a core rule finished it first; nothing more comes back for it."""
+    the core finishes it STOP, unless a core rule finished it first; nothing more comes back for it. `kept`: the
+    output tokens the front end delivered (the core counts only those as generated, as the in-process engine does)."""
 
     call: int
+    kept: int | None = None
 
 
 class Drain(msgspec.Struct, tag=True, frozen=True):
@@ -92,6 +95,8 @@ class Fault(msgspec.Struct, frozen=True):
     message: str
     type_name: str = ""  # the class raised in the core (a StartupError subclass keeps its name: sweeps classify it)
     field: str | None = None
+    type_module: str = ""  # that class's module (a startup fault re-raised here names it as the core did)
+    traceback: str = ""    # the core's traceback (HYDRA_FULL_ERROR=1 shows it as the cause of the re-raised fault)
 
 
 class Prepared(msgspec.Struct, frozen=True):

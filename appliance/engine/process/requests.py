@@ -37,6 +37,7 @@ class CoreRequest:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.aborted = False
+        self.num_tokens = 0                     # output tokens of its CoreOutputs processed so far
         self.outputs: queue.Queue[RequestOutput] = queue.Queue()
         self.on_output = on_output or self.outputs.put
 
@@ -103,9 +104,10 @@ class RequestTable:
         with self.lock:
             return sum(1 for r in self._requests.values() if not r.aborted)
 
-    def process(self, items: list[CoreOutput]) -> tuple[ProcessedOutputs, list[int]]:
+    def process(self, items: list[CoreOutput]) -> tuple[ProcessedOutputs, dict[int, int]]:
         """The RequestOutputs of the core's news (those of requests already finished here are dropped: tokens the
-        core computed past a stop string), and the calls a stop string ended, for the core to free."""
+        core computed past a stop string), and the calls a stop string ended, for the core to free, with the output
+        tokens each delivered."""
         with self.lock:
             live = [(self._requests.get(int(item.request_id)), item) for item in items]
         processed, finished = ProcessedOutputs(), {}
@@ -115,14 +117,16 @@ class RequestTable:
             self._track(request)
             one = self._processor.process_outputs([item])
             processed.outputs += one.outputs
-            processed.stopped.update(one.stopped)
+            for key, kept in one.stopped.items():
+                processed.stopped[key] = request.num_tokens + kept
+            request.num_tokens += len(item.new_token_ids)
             if item.request_id not in self._processor:
                 finished[request.call] = request
         with self.lock:
             for request in finished.values():
                 self._requests.pop(request.call, None)
                 self._free_id(request)
-        return processed, [int(key) for key in processed.stopped]
+        return processed, {int(key): kept for key, kept in processed.stopped.items()}
 
     def fail_all(self, error: str | None) -> ProcessedOutputs:
         """The core is gone: every request left ends ABORTED with `error` (usage: what was streamed)."""
