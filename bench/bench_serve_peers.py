@@ -284,6 +284,8 @@ def session(system: str, run: int, shape: Shape, model: str, args: argparse.Name
     finally:
         stop(proc)
     threads = threads_chosen(log) if args.threads is None or system == "vLLM" else f"{args.threads} (set)"
+    if system == "vLLM" and args.vllm_bind:
+        threads = f"{threads} (--vllm-bind {args.vllm_bind})"
     return Session(system, run, shape.name, load_start, os.getloadavg(), start_s, results, threads)
 
 
@@ -355,6 +357,9 @@ def main() -> None:
                     help="compute threads of both servers (appliance device.cpu_threads, vLLM "
                          "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); default: each server's own choice (appliance "
                          "device.cpu_threads=null, vLLM auto binding)")
+    ap.add_argument("--vllm-bind", default=None,
+                    help="vLLM's VLLM_CPU_OMP_THREADS_BIND alone (e.g. 0-1: every core, vLLM's best on a 2-core "
+                         "host), whatever --threads gives the appliance")
     ap.add_argument("--kv-gib", type=int, default=1, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated subset of {', '.join(CLIENTS)}")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to be healthy")
@@ -372,7 +377,7 @@ def main() -> None:
     env, python_or_why = vllm_env(probe_args)      # the vLLM venv runs `vllm serve` and `vllm bench serve`
     if env is None:
         sys.exit(f"vLLM cannot run: {python_or_why}")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "auto" if args.threads is None else f"0-{args.threads - 1}"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = (args.vllm_bind or ("auto" if args.threads is None else f"0-{args.threads - 1}"))
     models = {shape.name: checkpoint(args.peers_dir, shape, args.dtype) for shape in args.shapes}
     works = workloads(args)
 
@@ -388,7 +393,8 @@ def main() -> None:
     print(f"\n{' / '.join(str(w.requests) for w in works)} requests x {args.input_len} prompt tokens -> "
           f"{args.output_len} output tokens (ignore_eos, temperature 0), at most "
           f"{' / '.join(str(w.concurrency) for w in works)} in flight; {args.dtype} checkpoints; compute threads: "
-          f"{args.threads or 'each server its default'}; one server up at a time, serving every concurrency "
+          f"{args.threads or 'each server its default'}"
+          f"{f' (vLLM bound to {args.vllm_bind})' if args.vllm_bind else ''}; one server up at a time, serving every concurrency "
           f"(appliance sized for {max(args.concurrency)}); logs and reports in {args.workdir}")
     print(watch.header(args.runs))
     for shape in args.shapes:
