@@ -32,6 +32,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from npu.host import cpu_vendor
+
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
 # MKL's packed copy has a fixed part of about 8 MB whatever the weight's size (a 64 x 128 weight packs into
@@ -57,16 +59,6 @@ def cpu_fp32_gemm() -> Fp32Gemm:
                                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "torch"
     return chosen  # type: ignore[return-value]
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none (not Linux x86)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
 
 
 def _cpu_fp32(weight: torch.Tensor) -> bool:

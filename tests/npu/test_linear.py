@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu import linear
+from npu import host, linear
 from npu.linear import FP32_GEMM_SWITCH, ONEDNN_PACK_ROWS, Projection, cpu_fp32_gemm
 
 ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
@@ -69,7 +69,7 @@ def test_float32_gemm_switch_overrides_the_maker_and_refuses_a_typo(monkeypatch,
 def test_cpu_vendor_reads_this_host():
     with open("/proc/cpuinfo") as f:
         listed = [line.split(":")[1].strip() for line in f if line.startswith("vendor_id")]
-    assert linear.cpu_vendor() == (listed[0] if listed else "")
+    assert host.cpu_vendor() == (listed[0] if listed else "")
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
