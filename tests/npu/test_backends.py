@@ -120,7 +120,7 @@ def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of(dtype):
     from npu.linear import Projection
 
     proj = Projection.of(torch.randn(16384, 512, dtype=dtype))  # large enough to be packed (npu.linear)
-    packed = proj.mkl_packed if dtype == torch.float32 else proj.onednn_packed
+    packed = proj.onednn_packed if proj.onednn_packed is not None else proj.mkl_packed   # fp32: by the CPU's maker
     # No oneDNN bf16 on this CPU (AVX2 only): the bf16 weight stays plain, and the tracker counts just it.
     assert packed is not None or (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     with AllocationTracker() as t:

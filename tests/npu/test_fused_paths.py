@@ -212,7 +212,7 @@ def test_pages_hold_k_then_v_planes(runner):
     w = runner.layers[0]
     x = F.rms_norm(F.embedding(torch.tensor([token]), runner.embed), (runner.hidden,), w.input_norm, runner.eps)
     kvh, hd = runner.num_kv_heads, runner.head_dim
-    v_expected = F.linear(x, w.qkv.weight)[0, -kvh * hd:]        # V takes no norm and no rope: compare it exactly
+    v_expected = w.qkv(x)[0, -kvh * hd:]        # V takes no norm and no rope: compare it exactly
     assert torch.allclose(v, v_expected, atol=1e-6)
 
 
