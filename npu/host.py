@@ -44,13 +44,3 @@ def intra_op_threads(ranks_on_host: int = 1) -> int:
              "process runs (the event loop, tokenizing, detokenizing); set device.cpu_threads to choose",
              choice.threads, "" if choice.threads == 1 else "s", choice.reason, left)
     return choice.threads
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none (not Linux x86)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()

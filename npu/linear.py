@@ -7,17 +7,22 @@
   19.6 -> 15.6 ms; AMD EPYC with avx512_bf16, two threads, the 32000 x 768 head: 1 row 2.4 -> 0.95 ms, 64 rows
   9.2 -> 7.6 ms). Its values equal F.linear's up to 32 rows and differ by bf16 rounding above (another
   blocking of the sums). Only the packed copy is kept: a bf16 weight is not held twice.
-- float32 on CPU, by the CPU's maker (cpu_fp32_gemm; APPLIANCE_CPU_FP32_GEMM=mkl|onednn|torch overrides):
-  - Intel: MKL's packed GEMM (torch.ops.mkl._mkl_linear, inductor's fp32 weight freezing) for 2-256 rows,
-    where a weight's packed copy is at most PACKED_MAX_GROWTH times its size (on the benchmark model only the
-    32000 x 512 head): a Sapphire Rapids step at 8 rows 23-26 -> 19 ms, at 64 rows 50-54 -> 48-49 ms (one
-    thread). One row, and above 256 rows, F.linear (the same GEMM). oneDNN's packed fp32 path was no faster
-    than F.linear there.
-  - any other maker (AMD): oneDNN's packed fp32 GEMM, the bf16 path's two ops on a float32 weight. MKL takes
-    its slow generic code on these CPUs: on an AMD EPYC (two threads, min of 30 calls) F.linear and MKL's
-    packed GEMM are 1.1-1.8x slower than oneDNN at 1 and 64-512 rows and 2-6x at 2-16 rows (a 2048 x 768
-    projection at 4 rows 302 against 79 us, at 64 rows 1,163 against 885 us; the 32000 x 768 head at 64 rows
-    31 against 15 ms). The packed copy is the weight's size, and only it is kept.
+- float32 on CPU: oneDNN's packed fp32 GEMM, the bf16 path's two ops on a float32 weight, on every CPU maker
+  (cpu_fp32_gemm; APPLIANCE_CPU_FP32_GEMM=mkl|onednn|torch overrides). Measured at two threads, min of 30 calls:
+  - AMD EPYC (avx512_bf16): F.linear and MKL's packed GEMM are 1.1-1.8x slower than oneDNN at 1 and 64-512
+    rows and 2-6x at 2-16 rows (a 2048 x 768 projection at 4 rows 302 against 79 us; the 32000 x 768 head at
+    64 rows 31 against 15 ms): MKL takes its generic code on AMD. (Measured before bench/bench_cpu_gemm.py; its
+    MKL column is the one to trust, as _mkl_linear runs F.linear unless told the call's own row count.)
+  - Intel Xeon (Emerald Rapids, AMX; bench/bench_cpu_gemm.py): oneDNN is up to 2.1x faster than F.linear at
+    4-32 rows (4096 x 768 at 8 rows 345 against 691 us), 5-10% at 64-512, level with it at one row. MKL's packed GEMM is faster still, by
+    10-40% at 1-128 rows (249 us there), but its packed copy is 1.6-4.4x the weight on these shapes (a fixed part
+    of about 8 MB) and the plain weight stays beside it: packing every float32 weight of the 6 x 768 benchmark
+    model with MKL held 2.7x its weights' memory for about 7% more tokens per second (workload 936 / 836 against
+    883 / 774 tok/s, alternating runs). `mkl` therefore packs only where the copy is at most PACKED_MAX_GROWTH times
+    the weight (the 32000 x 768 head) and leaves the layers to F.linear, which made it slower than oneDNN overall
+    (decode at batch 8: 277-314 against 503 tok/s).
+  oneDNN's packed copy is the weight's size, and only it is kept. `mkl` keeps the plain weight and adds MKL's packed
+  copy where it is at most PACKED_MAX_GROWTH times the weight's size, used at 2-256 rows; `torch` is F.linear.
 - anywhere else (accelerators, other dtypes): F.linear.
 Packed copies are counted by tensors(), so the startup profile sees their memory.
 """
@@ -32,8 +37,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from npu.host import cpu_vendor
-
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
 # MKL's packed copy has a fixed part of about 8 MB whatever the weight's size (a 64 x 128 weight packs into
@@ -47,10 +50,10 @@ Fp32Gemm = Literal["mkl", "onednn", "torch"]
 
 @functools.cache
 def cpu_fp32_gemm() -> Fp32Gemm:
-    """The float32 CPU GEMM this host takes: $APPLIANCE_CPU_FP32_GEMM when set, else MKL on Intel CPUs and
-    oneDNN on every other maker's (module docstring), falling back to torch (F.linear) where the library is
-    not in this torch build."""
-    chosen = os.environ.get(FP32_GEMM_SWITCH) or ("mkl" if cpu_vendor() == "GenuineIntel" else "onednn")
+    """The float32 CPU GEMM this process takes: $APPLIANCE_CPU_FP32_GEMM when set, else oneDNN (the fastest at
+    decode row counts on Intel and AMD CPUs alike, module docstring), falling back to torch (F.linear) where the
+    library is not in this torch build."""
+    chosen = os.environ.get(FP32_GEMM_SWITCH) or "onednn"
     if chosen not in ("mkl", "onednn", "torch"):
         raise ValueError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch")
     if chosen == "mkl" and not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
@@ -80,15 +83,15 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Projection:
     """A weight [out, in] as the fastest path for its device and dtype wants it, made once when weights are
-    installed: the plain weight (F.linear), plus MKL's packed copy (CPU float32 on Intel), or only oneDNN's
-    packed copy (CPU bfloat16, CPU float32 elsewhere; then `weight` is None)."""
+    installed: only oneDNN's packed copy (CPU bfloat16 and float32; then `weight` is None), or the plain weight
+    (F.linear) with MKL's packed copy where APPLIANCE_CPU_FP32_GEMM=mkl chose it, or the plain weight alone."""
 
     weight: torch.Tensor | None
     mkl_packed: torch.Tensor | None = None
     onednn_packed: torch.Tensor | None = None
 
     @staticmethod
-    def of(weight: torch.Tensor) -> "Projection":
+    def of(weight: torch.Tensor) -> Projection:
         if _onednn_packs(weight):
             return Projection(None, onednn_packed=torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS))
         if _mkl_packs(weight):
