@@ -1,0 +1,88 @@
+"""The CPU GEMM paths npu/linear.py chooses between, side by side on this CPU: y = x W^T per projection shape and row
+count, for float32 (F.linear, MKL's packed GEMM, oneDNN's packed GEMM) and bfloat16 (F.linear, oneDNN packed).
+
+    python bench/bench_cpu_gemm.py                                   # the 6 x 768 benchmark model's projections
+    python bench/bench_cpu_gemm.py --dtype float32 --rows 1,8,64 --threads 1 --shapes 4096x768,32000x768
+
+Each cell is the fastest of --calls calls (after two unmeasured ones) in microseconds, and the fastest path of the
+row is marked with *. The weights are the same for every path of a cell; every call reads them from cache when they
+fit, so a cell is the GEMM's own speed, not the model's memory traffic. The line above the table names the CPU
+(model, avx512f / avx512_bf16 / amx_bf16), the threads and the load average: the choice in npu/linear.py was made
+from this table on an Intel Xeon (Emerald Rapids) and an AMD EPYC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import cpu_and_load  # noqa: E402
+
+ONEDNN_PACK_ROWS = 64                  # npu.linear's packing hints
+MKL_PACK_ROWS = 64
+
+
+def fastest_us(fn, calls: int) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def paths(weight: torch.Tensor) -> dict:
+    """name -> a callable x -> x W^T, for every path this torch build offers for the weight's dtype."""
+    out = {"F.linear": lambda x: F.linear(x, weight)}
+    if weight.dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+        out["MKL packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, x.shape[0])
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
+        out["oneDNN packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    ap.add_argument("--shapes", default="1024x768,4096x768,768x2048,32000x768",
+                    help="comma-separated OUTxIN weights (default: 6 x 768's qkv, gate_up, down and head)")
+    ap.add_argument("--rows", default="1,4,8,32,64,128,512")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--calls", type=int, default=30)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    rows = [int(r) for r in a.rows.split(",")]
+    print(f"{cpu_and_load()}; torch {torch.__version__}, {a.threads} threads; fastest of {a.calls} calls, us\n")
+    for dtype in (getattr(torch, d) for d in a.dtype.split(",")):
+        g = torch.Generator().manual_seed(0)
+        weights = {s: torch.randn(*s, generator=g).to(dtype) for s in shapes}
+        table = {s: paths(w) for s, w in weights.items()}
+        names = list(next(iter(table.values())))
+        print(f"{str(dtype).removeprefix('torch.')}: " + ", ".join(names) + " per shape")
+        print("| rows | " + " | ".join(f"{o} x {i}" for o, i in shapes) + " |")
+        print("|---:|" + "---|" * len(shapes))
+        for n in rows:
+            cells = []
+            for s in shapes:
+                x = torch.randn(n, s[1], generator=g).to(dtype)
+                times = {name: fastest_us(lambda f=f: f(x), a.calls) for name, f in table[s].items()}
+                best = min(times, key=times.get)
+                cells.append(" / ".join(f"{times[k]:,.0f}{'*' if k == best else ''}" for k in names))
+            print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()
