@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import cpu_and_load  # noqa: E402
+from report import cpu_and_load
 
 ONEDNN_PACK_ROWS = 64                  # npu.linear's packing hints
 MKL_PACK_ROWS = 64
@@ -77,7 +77,7 @@ def main() -> None:
             cells = []
             for s in shapes:
                 x = torch.randn(n, s[1], generator=g).to(dtype)
-                times = {name: fastest_us(lambda f=f: f(x), a.calls) for name, f in table[s].items()}
+                times = {name: fastest_us(lambda f=f, x=x: f(x), a.calls) for name, f in table[s].items()}
                 best = min(times, key=times.get)
                 cells.append(" / ".join(f"{times[k]:,.0f}{'*' if k == best else ''}" for k in names))
             print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
