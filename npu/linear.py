@@ -14,13 +14,13 @@
     64 rows 31 against 15 ms): MKL takes its generic code on AMD. (Measured before bench/bench_cpu_gemm.py; its
     MKL column is the one to trust, as _mkl_linear runs F.linear unless told the call's own row count.)
   - Intel Xeon (Emerald Rapids, AMX; bench/bench_cpu_gemm.py): oneDNN is up to 2.1x faster than F.linear at
-    4-32 rows (4096 x 768 at 8 rows 345 against 691 us), 5-10% at 64-512, level with it at one row. MKL's packed GEMM is faster still, by
-    10-40% at 1-128 rows (249 us there), but its packed copy is 1.6-4.4x the weight on these shapes (a fixed part
-    of about 8 MB) and the plain weight stays beside it: packing every float32 weight of the 6 x 768 benchmark
-    model with MKL held 2.7x its weights' memory for about 7% more tokens per second (workload 936 / 836 against
-    883 / 774 tok/s, alternating runs). `mkl` therefore packs only where the copy is at most PACKED_MAX_GROWTH times
-    the weight (the 32000 x 768 head) and leaves the layers to F.linear, which made it slower than oneDNN overall
-    (decode at batch 8: 277-314 against 503 tok/s).
+    4-32 rows (4096 x 768 at 8 rows 345 against 691 us) and 5-10% at 64-512, but 4-25% slower at one row. MKL's
+    packed GEMM is faster still, by 10-40% at 1-128 rows (249 us there), but its packed copy is 1.6-4.4x the
+    weight on these shapes (a fixed part of about 8 MB) and the plain weight stays beside it: packing every
+    float32 weight of the 6 x 768 benchmark model with MKL held 2.7x its weights' memory for about 7% more tokens
+    per second (workload 936 / 836 against 883 / 774 tok/s, alternating runs). `mkl` therefore packs only where
+    the copy is at most PACKED_MAX_GROWTH times the weight (the 32000 x 768 head) and leaves the layers to
+    F.linear, which made it slower than oneDNN overall (decode at batch 8: 277-314 against 503 tok/s).
   oneDNN's packed copy is the weight's size, and only it is kept. `mkl` keeps the plain weight and adds MKL's packed
   copy where it is at most PACKED_MAX_GROWTH times the weight's size, used at 2-256 rows; `torch` is F.linear.
 - anywhere else (accelerators, other dtypes): F.linear.
@@ -50,9 +50,9 @@ Fp32Gemm = Literal["mkl", "onednn", "torch"]
 
 @functools.cache
 def cpu_fp32_gemm() -> Fp32Gemm:
-    """The float32 CPU GEMM this process takes: $APPLIANCE_CPU_FP32_GEMM when set, else oneDNN (the fastest at
-    decode row counts on Intel and AMD CPUs alike, module docstring), falling back to torch (F.linear) where the
-    library is not in this torch build."""
+    """The float32 CPU GEMM this process takes: $APPLIANCE_CPU_FP32_GEMM when set, else oneDNN (the fastest on
+    AMD, and on Intel within 10-40% of MKL for about a third of MKL's memory; module docstring), falling back to
+    torch (F.linear) where the library is not in this torch build."""
     chosen = os.environ.get(FP32_GEMM_SWITCH) or "onednn"
     if chosen not in ("mkl", "onednn", "torch"):
         raise ValueError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch")
