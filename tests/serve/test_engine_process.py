@@ -236,7 +236,16 @@ def test_a_full_wait_queue_is_resource_exhausted_and_429(served):
 def test_metrics_and_stats_count_a_finished_request_before_its_client_hears_the_end(served):
     """The core sends its stats snapshot ahead of a request's last output: read right after, nothing lags."""
     wait_for(served.all_free, 30, "blocks back")
-    before = served.client.stub.Stats(pb.StatsRequest(), timeout=10)
+    # A snapshot the core took once every earlier request (the previous test's cancelled streams) had left it: their
+    # last tokens are counted in it, not in the difference below.
+    snapshots: list = []
+
+    def core_idle() -> bool:
+        snapshots.append(served.client.stub.Stats(pb.StatsRequest(), timeout=10))
+        return snapshots[-1].num_requests_running == 0 and snapshots[-1].num_requests_waiting == 0
+
+    wait_for(core_idle, 30, "a stats snapshot of an idle core")
+    before = snapshots[-1]
     status, body = post(f"{served.http}/v1/completions", {"prompt": "count me", "max_tokens": 3, "ignore_eos": True})
     assert status == 200, body
     after = served.client.stub.Stats(pb.StatsRequest(), timeout=10)      # at once: no wait
