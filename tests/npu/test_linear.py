@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu.linear import FP32_GEMM_SWITCH, ONEDNN_PACK_ROWS, Projection, cpu_fp32_gemm
+from npu.linear import EXACT_ROWS, FP32_GEMM_SWITCH, ONEDNN_PACK_ROWS, Projection, cpu_fp32_gemm, onednn_rows
 
 ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
 
@@ -92,7 +92,7 @@ class EmulatedOneDnn:
     a path that read it as the plain weight would compute the wrong shape."""
 
     def __init__(self):
-        self.reorders, self.calls = [], []
+        self.reorders, self.calls, self.rows = [], [], []
 
     def reorder(self, weight: torch.Tensor, batch_size: int) -> torch.Tensor:
         self.reorders.append((weight.shape, batch_size))
@@ -100,6 +100,7 @@ class EmulatedOneDnn:
 
     def linear(self, x, packed, bias, attr, scalars, algorithm):
         self.calls.append((bias, attr, scalars, algorithm))
+        self.rows.append(x.shape[0])
         return x @ packed
 
 
@@ -119,5 +120,36 @@ def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch, fp32_gemm):
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         torch.testing.assert_close(proj(x), F.linear(x, w))
     assert onednn.calls == [(None, "none", [], "")] * len(ROWS)
+    assert onednn.rows == [onednn_rows(r) for r in ROWS]                # oneDNN sees bucketed row counts only
     fp32_gemm("mkl")
     assert Projection.of(w.float()).onednn_packed is None          # float32 takes oneDNN only where chosen
+
+
+def test_row_buckets_bound_the_row_counts_onednn_sees_and_the_extra_rows():
+    """oneDNN builds a primitive per row count (npu.linear's docstring): every count up to EXACT_ROWS runs as it is,
+    larger ones at a bucket at most 1/16 larger, 128 buckets up to 2,048 rows, each bucket its own bucket."""
+    buckets = [onednn_rows(r) for r in range(1, 8193)]
+    assert buckets[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert all(r <= b <= r + r / 16 for r, b in enumerate(buckets, start=1))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets[:2048])) == 128 and len(set(buckets)) == 128 + 2 * 16
+    assert all(onednn_rows(b) == b for b in set(buckets))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_equal_an_exact_call_at_the_bucket(dtype, fp32_gemm):
+    """A call between buckets keeps the rows a call at its bucket computes, bit for bit (the extra rows are zeros
+    and dropped), so a row's value depends on the bucket, as it would on the row count."""
+    fp32_gemm("onednn")
+    if dtype == torch.bfloat16 and not ONEDNN_BF16:
+        pytest.skip("oneDNN bf16 does not run on this CPU (the emulated test covers the path)")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 256, generator=g).to(dtype)
+    proj = Projection.of(w)
+    assert proj.onednn_packed is not None
+    for rows in (33, 65, 300):
+        x = torch.randn(rows, 256, generator=g).to(dtype)
+        full = torch.cat([x, torch.zeros(onednn_rows(rows) - rows, 256, dtype=dtype)])
+        y = proj(x)
+        assert y.shape == (rows, 384) and y.is_contiguous()
+        assert torch.equal(y, proj(full)[:rows])
