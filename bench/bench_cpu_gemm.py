@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import cpu_and_load
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import cpu_and_load  # noqa: E402 (bench/: the script directory)
 
-ONEDNN_PACK_ROWS = 64                  # npu.linear's packing hints
-MKL_PACK_ROWS = 64
+from npu.linear import MKL_PACK_ROWS, ONEDNN_PACK_ROWS  # noqa: E402 (npu.linear's packing hints)
 
 
 def fastest_us(fn, calls: int) -> float:

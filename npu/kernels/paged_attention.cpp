@@ -17,6 +17,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "floats.h"
 
@@ -100,7 +103,28 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
                     float* __restrict__ ah = acc.data() + h * hd;
                     const float* __restrict__ vh = staged.data() + (h / group) * hd;
                     const float* __restrict__ ph = scores + h * len + first;
-                    if constexpr (HD > 0) {                 // a local array the compiler keeps in registers
+#if defined(__AVX512F__)
+                    // The head's accumulator in four registers: GCC kept the local array below on the stack, a
+                    // store and reload per token (perf annotate); 7% of the bf16 kernel at 64 rows x 192-320 tokens.
+                    if constexpr (HD == 64) {
+                        __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16);
+                        __m512 a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
+                        for (int64_t t = 0; t < n; ++t) {
+                            const __m512 p = _mm512_set1_ps(ph[t]);
+                            const float* vt = vh + t * token_stride;
+                            a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt), a0);
+                            a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16), a1);
+                            a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 32), a2);
+                            a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 48), a3);
+                        }
+                        _mm512_storeu_ps(ah, a0);
+                        _mm512_storeu_ps(ah + 16, a1);
+                        _mm512_storeu_ps(ah + 32, a2);
+                        _mm512_storeu_ps(ah + 48, a3);
+                        continue;
+                    }
+#endif
+                    if constexpr (HD > 0) {                 // a local array (in registers where the compiler keeps it)
                         float a[HD];
                         for (int64_t d = 0; d < HD; ++d) a[d] = ah[d];
                         for (int64_t t = 0; t < n; ++t) {
