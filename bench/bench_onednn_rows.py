@@ -36,28 +36,28 @@ def rss_mib() -> float:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from npu.linear import ONEDNN_PACK_ROWS, Projection, onednn_rows
+    from npu.linear import Projection, onednn_rows
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), ONEDNN_PACK_ROWS)
-              for n, k in shapes]
+    projections = [Projection.of(torch.randn(n, k).to(dtype)) for n, k in shapes]   # packed as the runners pack
+    if any(p.onednn_packed is None for p in projections):
+        sys.exit(f"npu.linear does not take oneDNN's packed path for {args.dtype} on this CPU: nothing to measure")
     inputs = {k: torch.randn(args.max_rows, k).to(dtype) for _, k in shapes}
     rng = random.Random(0)
     counts = [rng.randrange(1, args.max_rows + 1) for _ in range(args.steps)]
     bucketed = args.child == "bucketed"
-    projections = [Projection(None, onednn_packed=p) for p in packed]
     before, met, passes = rss_mib(), set(), []
     for _ in range(3):
         start = time.perf_counter()
         for rows in counts:
-            for (_, k), p, proj in zip(shapes, packed, projections):
-                x = inputs[k][:rows]
+            for shape, proj in zip(shapes, projections):
+                x = inputs[shape[1]][:rows]
                 if bucketed:
                     proj(x)
                 else:
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                met.add((k, p.shape, onednn_rows(rows) if bucketed else rows))
+                    torch.ops.mkldnn._linear_pointwise(x, proj.onednn_packed, None, "none", [], "")
+                met.add((shape, onednn_rows(rows) if bucketed else rows))
         passes.append((time.perf_counter() - start, len(met)))
     print(json.dumps({"passes": passes, "rss_added_mib": rss_mib() - before}))
 

@@ -13,7 +13,7 @@ import numpy
 import torch
 
 from appliance.core.request import SamplingParams, TokenLogprob
-from npu.cpu_kernels import entry, kernels_for, ptr
+from npu.cpu_kernels import SUFFIX, entry, kernels_for, ptr
 
 
 def worst_case_rows(n: int) -> list[tuple[str, SamplingParams]]:
@@ -68,7 +68,7 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     machine (an Intel Xeon): torch 4.0 ms bf16 / 1.6 ms float32, numpy 0.60 / 0.28 ms (bf16 widened to float32 8
     rows at a time, exact), the kernel 0.14 / 0.17 ms, where a bf16 decode step of the 4 x 512 model takes 7.8 ms."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[0] and logits.shape[1]:
-        kernel = cpu_argmax(logits.dtype) if logits.dtype in (torch.float32, torch.bfloat16) else None
+        kernel = cpu_argmax(logits.dtype) if logits.dtype in SUFFIX else None     # the kernels' dtypes
         if kernel is not None:
             return kernel(logits.detach())
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
