@@ -39,6 +39,7 @@ from npu.fused_norms import layer_norms
 from npu.graphs import DecodeGraphs, batch_buckets
 from npu.linear import Projection
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
+from npu.prefill_attention_cpu import CausalPrefillAttention, causal_prefill_attention
 from npu.paged_attention_triton import TritonDecodeAttention, triton_decode_attention
 from npu.qwen3.graph_step import GraphStep, StaticDecode, decode_only
 from npu.qwen3.step_layout import StepLayout
@@ -98,6 +99,9 @@ class Qwen3Runner(ModelRunner):
         if self.fused_attention is None:
             self.paged_decode = (paged_decode_attention if self.device.type == "cpu" else triton_decode_attention)(
                 self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        # Prefill chunks from position 0 (their own keys are the context): the CPU flash kernel where it beats SDPA.
+        self.prefill_attention: CausalPrefillAttention | None = causal_prefill_attention(
+            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
         self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
         self.graphs: DecodeGraphs | None = None                # decode steps through static buffers (capture_graphs)
         self.graph_pages = 0                                   # page-table width of those buffers: max_model_len
@@ -320,6 +324,11 @@ class Qwen3Runner(ModelRunner):
             # [count, group, kvh, hd] memory seen as [count, kvh, group, hd])
             parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).reshape(d.count, nh, hd))
         for p in meta.prefills:
+            if p.planes is None and self.prefill_attention is not None:    # the kernel reads q, k, v in place
+                rows = qkv[p.first:p.first + p.count * p.length]
+                parts.append(self.prefill_attention(rows[:, :nh * hd], rows[:, nh * hd:(nh + kvh) * hd],
+                                                    rows[:, (nh + kvh) * hd:], [p.length] * p.count))
+                continue
             chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
             qp = chunk[:, :, :nh].transpose(1, 2)      # [count, nh, len, hd]
             if p.planes is None:                       # from position 0: the chunks' own K/V are the context

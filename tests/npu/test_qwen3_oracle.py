@@ -102,10 +102,8 @@ def drive(runner, prompts, num_blocks, new_tokens=NEW_TOKENS, chunk=CHUNK, seed=
     return [s["gen"] for s in state], [torch.stack(s["logits"]) for s in state]
 
 
-@pytest.mark.parametrize("decode", ["paged", "gather"])
-def test_greedy_tokens_and_logits_match_transformers(ckpt, hf, prompts, decode, monkeypatch):
-    pools_start_full_of_nan(monkeypatch)
-    tokens, logits = drive(runner_with(ckpt, decode), prompts, num_blocks=64)
+def assert_matches_transformers(hf, prompts, tokens, logits):
+    """Our logits == transformers' teacher-forced logits on our tokens; greedy tokens equal but at near-ties."""
     full_matches = 0
     for prompt, ours, our_logits in zip(prompts, tokens, logits):
         with torch.no_grad():
@@ -123,6 +121,30 @@ def test_greedy_tokens_and_logits_match_transformers(ckpt, hf, prompts, decode, 
             f"prompt of {len(prompt)} tokens diverges from transformers at new token {diverge} "
             f"({ours[diverge]} vs {ref[diverge]}) without a near-tie (gap {(top2[0] - top2[1]).item():.2e})")
     assert full_matches >= len(prompts) - 1, "near-ties should be rare; most sequences must match entirely"
+
+
+@pytest.mark.parametrize("decode", ["paged", "gather"])
+def test_greedy_tokens_and_logits_match_transformers(ckpt, hf, prompts, decode, monkeypatch):
+    pools_start_full_of_nan(monkeypatch)
+    tokens, logits = drive(runner_with(ckpt, decode), prompts, num_blocks=64)
+    assert_matches_transformers(hf, prompts, tokens, logits)
+
+
+def test_the_prefill_kernel_matches_transformers_at_head_dim_64(tmp_path, prompts, monkeypatch):
+    """head_dim 64: prefill chunks from position 0 go to the CPU prefill kernel (npu.prefill_attention_cpu) where
+    the CPU has its float32 path; the same oracle holds (the qwen3_tiny layout's head_dim 16 stays on SDPA)."""
+    transformers = pytest.importorskip("transformers")
+    rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256"])
+    model = dataclasses.replace(rc.model, weights=str(write_tiny_checkpoint(tmp_path, rc.model, seed=12, std=0.1)))
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model.weights, torch_dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    r = Qwen3Runner(model, "cpu")
+    if r.prefill_attention is None:
+        pytest.skip("this CPU has no AVX-512 float32 prefill path: the runner uses SDPA (tested above)")
+    r.load_weights()
+    pools_start_full_of_nan(monkeypatch)
+    tokens, logits = drive(r, prompts, num_blocks=64)
+    assert_matches_transformers(hf, prompts, tokens, logits)
 
 
 @pytest.mark.parametrize("decode", ["paged", "gather"])

@@ -1,0 +1,610 @@
+// Causal attention of prefill chunks that start at position 0 (their own K/V are the whole context), for CPU
+// runners: a flash-attention forward (online softmax over 32-token key blocks) over packed variable-length
+// sequences, GQA, float32 scores and sums.
+//
+// Layout (npu/qwen3/runner.py): q, k and v are row views of the layer's qkv activations (row stride q_stride /
+// kv_stride elements; query head h at q + h * head_dim, kv head g at k + g * head_dim); sequence s is rows
+// starts[s] .. starts[s + 1]; out is [rows, heads, head_dim]. Query row i of a sequence attends to its tokens
+// 0..i; query head h reads kv head h / (heads / kv_heads).
+//
+// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for AMX, V) is packed into the
+// caller's `scratch` (a torch tensor, so the startup profile counts it: rows_padded x kv_heads x head_dim x 4
+// bytes, each sequence's length rounded up to 32 with zeros); (2) tasks of 16 query rows of one head, longest
+// first (the causal mask makes a task's cost grow with its position), dynamically over torch's OpenMP threads.
+//
+// Three paths compute the same thing (the caller picks one; tests run each against SDPA):
+//   kPortable  plain loops, both dtypes (bf16 widened): any CPU, any head_dim.
+//   kAvx512    float32 with AVX-512 FMA register blocks (4 rows x 32 keys, 4 rows x 64 columns): head_dim % 64 == 0.
+//   kAmx       bfloat16 on the AMX tile unit: scores and P.V as tile dot products (K in VNNI pairs over head_dim,
+//              V in VNNI pairs over tokens, P rounded to bfloat16 as torch's flash kernel does): head_dim % 32 == 0
+//              up to 256. Linux grants a process the AMX state only on request (prefill_attention_paths asks).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AMX_TILE__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define APPLIANCE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "floats.h"
+
+namespace {
+
+using kernels::narrow;
+using kernels::widen;
+
+constexpr int64_t kRows = 16;        // query rows per task: one AMX tile's rows
+constexpr int64_t kBlock = 32;       // keys per online-softmax step: one tile row of bfloat16
+constexpr int64_t kMaxHead = 256;
+constexpr float kNone = -1e30f;      // the running max before any key (finite: -ffast-math assumes no infinities)
+
+enum Path { kPortable = 0, kAvx512 = 1, kAmx = 2 };
+
+inline int64_t padded(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+
+// Scores s [kRows][kBlock] of query rows q0.. (nrows of them) against keys t0.. become probabilities (masked
+// keys 0; rows past nrows all 0), the running max m and sum l are updated, and alpha gets the factor the
+// earlier output accumulator is scaled by.
+inline void online_softmax(float* s, int64_t nrows, int64_t q0, int64_t t0, float scale, float* m, float* l,
+                           float* alpha) {
+    for (int64_t i = 0; i < kRows; ++i) {
+        float* row = s + i * kBlock;
+        const int64_t visible = i < nrows ? std::min<int64_t>(kBlock, q0 + i - t0 + 1) : 0;
+        if (visible <= 0) {
+            std::memset(row, 0, kBlock * sizeof(float));
+            alpha[i] = 1.0f;
+            continue;
+        }
+        float top = m[i];
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < visible; ++j) {
+            row[j] *= scale;
+            top = std::max(top, row[j]);
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < visible; ++j) {
+            row[j] = std::exp(row[j] - top);
+            sum += row[j];
+        }
+        for (int64_t j = visible; j < kBlock; ++j) row[j] = 0.0f;
+        alpha[i] = std::exp(m[i] - top);
+        l[i] = l[i] * alpha[i] + sum;
+        m[i] = top;
+    }
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 in float32 (x below -87 gives about 1e-38, not 0: masked keys are zeroed by the caller):
+// 2^n x e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor series to f^6 (relative error ~1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// online_softmax in AVX-512 registers (a 32-key row is two vectors). With `probs` set (the AMX path) the
+// probabilities go there as bfloat16 rows of 32, else back into s.
+inline void online_softmax_avx512(float* s, int64_t nrows, int64_t q0, int64_t t0, float scale, float* m, float* l,
+                                  float* alpha, uint16_t* probs) {
+    const __m512 vscale = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNone);
+    for (int64_t i = 0; i < kRows; ++i) {
+        float* row = s + i * kBlock;
+        const int64_t visible = i < nrows ? std::min<int64_t>(kBlock, q0 + i - t0 + 1) : 0;
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0;
+        if (visible <= 0) {
+            alpha[i] = 1.0f;
+        } else {
+            const __mmask16 k0 = visible >= 16 ? 0xffff : (1u << visible) - 1;
+            const __mmask16 k1 = visible >= 32 ? 0xffff : visible > 16 ? (1u << (visible - 16)) - 1 : 0;
+            const __m512 s0 = _mm512_mask_mul_ps(none, k0, _mm512_load_ps(row), vscale);
+            const __m512 s1 = _mm512_mask_mul_ps(none, k1, _mm512_load_ps(row + 16), vscale);
+            const float top = std::max(m[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+            const __m512 vtop = _mm512_set1_ps(top);
+            p0 = _mm512_maskz_mov_ps(k0, exp_nonpositive(_mm512_sub_ps(s0, vtop)));
+            p1 = _mm512_maskz_mov_ps(k1, exp_nonpositive(_mm512_sub_ps(s1, vtop)));
+            alpha[i] = std::exp(m[i] - top);
+            l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[i] = top;
+        }
+#if defined(__AVX512BF16__)
+        if (probs != nullptr) {
+            _mm512_store_si512(reinterpret_cast<__m512i*>(probs + i * kBlock),
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+            continue;
+        }
+#endif
+        _mm512_store_ps(row, p0);
+        _mm512_store_ps(row + 16, p1);
+    }
+}
+#endif
+
+struct Shape {
+    int64_t heads, kv_heads, hd, q_stride, kv_stride;
+    float scale;
+};
+
+// K of one (sequence, kv head) as float32 [hd][padded len] (keys along rows: 16 keys per vector load).
+template <typename T>
+void pack_k_columns(const T* k, int64_t len, const Shape& sh, float* dst) {
+    const int64_t lp = padded(len);
+    for (int64_t d = 0; d < sh.hd; ++d) {
+        float* col = dst + d * lp;
+        for (int64_t t = 0; t < len; ++t) col[t] = widen(k[t * sh.kv_stride + d]);
+        for (int64_t t = len; t < lp; ++t) col[t] = 0.0f;
+    }
+}
+
+// The output rows of one task: accumulator / sum, narrowed into out.
+template <typename T>
+inline void write_rows(T* out, const float* o, const float* l, int64_t nrows, int64_t h, const Shape& sh) {
+    for (int64_t i = 0; i < nrows; ++i) {
+        const float inv = 1.0f / l[i];
+        T* dst = out + i * sh.heads * sh.hd + h * sh.hd;
+#pragma omp simd
+        for (int64_t d = 0; d < sh.hd; ++d) narrow(dst + d, o[i * sh.hd + d] * inv);
+    }
+}
+
+// One task on plain loops: query rows q0..q0+nrows of head h; kt is the kv head's packed K, v its V rows.
+template <typename T>
+void task_portable(const T* q, const float* kt, const T* v, int64_t lp, int64_t q0, int64_t nrows, int64_t h,
+                   const Shape& sh, T* out) {
+    float qf[kRows * kMaxHead], o[kRows * kMaxHead], s[kRows * kBlock], m[kRows], l[kRows], alpha[kRows];
+    for (int64_t i = 0; i < nrows; ++i)
+        for (int64_t d = 0; d < sh.hd; ++d) qf[i * sh.hd + d] = widen(q[(q0 + i) * sh.q_stride + h * sh.hd + d]);
+    std::fill(o, o + kRows * sh.hd, 0.0f);
+    std::fill(m, m + kRows, kNone);
+    std::fill(l, l + kRows, 0.0f);
+    const int64_t last = q0 + nrows - 1;
+    for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
+        for (int64_t i = 0; i < nrows; ++i) {
+            float* row = s + i * kBlock;
+            for (int64_t j = 0; j < kBlock; ++j) row[j] = 0.0f;
+            for (int64_t d = 0; d < sh.hd; ++d) {
+                const float qd = qf[i * sh.hd + d];
+                const float* kd = kt + d * lp + t0;
+#pragma omp simd
+                for (int64_t j = 0; j < kBlock; ++j) row[j] += qd * kd[j];
+            }
+        }
+        online_softmax(s, nrows, q0, t0, sh.scale, m, l, alpha);
+        const int64_t upto = std::min<int64_t>(kBlock, last - t0 + 1);
+        for (int64_t i = 0; i < nrows; ++i) {
+            float* oi = o + i * sh.hd;
+#pragma omp simd
+            for (int64_t d = 0; d < sh.hd; ++d) oi[d] *= alpha[i];
+            for (int64_t j = 0; j < upto; ++j) {
+                const float p = s[i * kBlock + j];
+                const T* vj = v + (t0 + j) * sh.kv_stride;
+#pragma omp simd
+                for (int64_t d = 0; d < sh.hd; ++d) oi[d] += p * widen(vj[d]);
+            }
+        }
+    }
+    write_rows(out + q0 * sh.heads * sh.hd, o, l, nrows, h, sh);
+}
+
+#if defined(__AVX512F__)
+// The float32 task with AVX-512 register blocks; head_dim % 64 == 0.
+void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, int64_t q0, int64_t nrows, int64_t h,
+                 const Shape& sh, float* out) {
+    alignas(64) float qf[kRows * kMaxHead], o[kRows * kMaxHead], s[kRows * kBlock];
+    float m[kRows], l[kRows], alpha[kRows];
+    const int64_t hd = sh.hd;
+    for (int64_t i = 0; i < kRows; ++i) {
+        if (i < nrows) std::memcpy(qf + i * hd, q + (q0 + i) * sh.q_stride + h * hd, hd * sizeof(float));
+        else std::memset(qf + i * hd, 0, hd * sizeof(float));
+    }
+    std::fill(o, o + kRows * hd, 0.0f);
+    std::fill(m, m + kRows, kNone);
+    std::fill(l, l + kRows, 0.0f);
+    const int64_t last = q0 + nrows - 1;
+    const int64_t row_groups = (nrows + 3) / 4;
+    for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
+        for (int64_t g = 0; g < row_groups; ++g) {          // scores: 4 rows x 32 keys in 8 registers
+            const float* qg = qf + g * 4 * hd;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00;
+            for (int64_t d = 0; d < hd; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(kt + d * lp + t0), k1 = _mm512_loadu_ps(kt + d * lp + t0 + 16);
+                __m512 b = _mm512_set1_ps(qg[d]);
+                a00 = _mm512_fmadd_ps(b, k0, a00); a01 = _mm512_fmadd_ps(b, k1, a01);
+                b = _mm512_set1_ps(qg[hd + d]);
+                a10 = _mm512_fmadd_ps(b, k0, a10); a11 = _mm512_fmadd_ps(b, k1, a11);
+                b = _mm512_set1_ps(qg[2 * hd + d]);
+                a20 = _mm512_fmadd_ps(b, k0, a20); a21 = _mm512_fmadd_ps(b, k1, a21);
+                b = _mm512_set1_ps(qg[3 * hd + d]);
+                a30 = _mm512_fmadd_ps(b, k0, a30); a31 = _mm512_fmadd_ps(b, k1, a31);
+            }
+            float* sg = s + g * 4 * kBlock;
+            _mm512_store_ps(sg, a00); _mm512_store_ps(sg + 16, a01);
+            _mm512_store_ps(sg + 32, a10); _mm512_store_ps(sg + 48, a11);
+            _mm512_store_ps(sg + 64, a20); _mm512_store_ps(sg + 80, a21);
+            _mm512_store_ps(sg + 96, a30); _mm512_store_ps(sg + 112, a31);
+        }
+        online_softmax_avx512(s, nrows, q0, t0, sh.scale, m, l, alpha, nullptr);
+        const int64_t upto = std::min<int64_t>(kBlock, last - t0 + 1);
+        for (int64_t g = 0; g < row_groups; ++g) {          // P.V: 4 rows x 64 columns in 16 registers
+            const float* pg = s + g * 4 * kBlock;
+            for (int64_t c = 0; c < hd; c += 64) {
+                float* og = o + g * 4 * hd + c;
+                __m512 acc[4][4];
+                for (int r = 0; r < 4; ++r) {
+                    const __m512 f = _mm512_set1_ps(alpha[g * 4 + r]);
+                    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_mul_ps(f, _mm512_load_ps(og + r * hd + 16 * u));
+                }
+                for (int64_t j = 0; j < upto; ++j) {
+                    const float* vj = v + (t0 + j) * sh.kv_stride + c;
+                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16),
+                                 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+                    for (int r = 0; r < 4; ++r) {
+                        const __m512 p = _mm512_set1_ps(pg[r * kBlock + j]);
+                        acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+                        acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+                        acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+                        acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+                    }
+                }
+                for (int r = 0; r < 4; ++r)
+                    for (int u = 0; u < 4; ++u) _mm512_store_ps(og + r * hd + 16 * u, acc[r][u]);
+            }
+        }
+    }
+    write_rows(out + q0 * sh.heads * hd, o, l, nrows, h, sh);
+}
+#endif
+
+#if defined(APPLIANCE_AMX)
+// r[i] lane j <-> r[j] lane i.
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 16; i += 8) {
+        for (int j = 0; j < 4; ++j) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    }
+    for (int j = 0; j < 8; ++j) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+void configure_tiles() {             // eight tiles of 16 rows x 64 bytes
+    TileConfig c;
+    std::memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+// K of one (sequence, kv head) as rows ([padded len][hd]: the A operand of K.Q^T) and V transposed per 32-key
+// block ([padded len / 32][hd][32]: a block's A operands of V^T.P^T, contiguous), both bfloat16; padding keys
+// are zeros.
+void pack_rows_and_columns(const uint16_t* k, const uint16_t* v, int64_t len, const Shape& sh, uint16_t* kr,
+                           uint16_t* vt) {
+    const int64_t lp = padded(len), hd = sh.hd;
+    for (int64_t t = 0; t < len; ++t) std::memcpy(kr + t * hd, k + t * sh.kv_stride, hd * sizeof(uint16_t));
+    std::memset(kr + len * hd, 0, (lp - len) * hd * sizeof(uint16_t));
+    for (int64_t t0 = 0; t0 < lp; t0 += kBlock) {
+        uint16_t* block = vt + t0 * hd;
+        for (int64_t t = 0; t < kBlock; ++t) {
+            const uint16_t* row = v + (t0 + t) * sh.kv_stride;
+            if (t0 + t < len) for (int64_t d = 0; d < hd; ++d) block[d * kBlock + t] = row[d];
+            else for (int64_t d = 0; d < hd; ++d) block[d * kBlock + t] = 0;
+        }
+    }
+}
+
+// 2^t for the AMX path's probabilities: 2^round(t) x 2^f, |f| <= 1/2, by a degree-4 polynomial (relative error
+// ~4e-5; P is rounded to bfloat16, 4e-3, after it). t of -1e29 (a masked key) gives 0.
+inline __m512 exp2_coarse(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.00961813f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240227f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+constexpr float kRegrow = 8.0f;   // log2 units: the running max is raised only past 2^8 (P stays <= 256), so most
+                                  // blocks need no rescale of the accumulator
+
+// The bfloat16 task on the tile unit, transposed so that a vector holds one key's scores for the task's 16 rows:
+// the softmax then needs no reduction across a vector. Per 32-key block: S^T = K.Q^T (C tiles 0-1, A = K rows in
+// 2, B = Q^T in VNNI pairs in 3), the online softmax on 32 vectors (exp2 with the scale folded in), P^T in VNNI
+// pairs (tile 3), then O^T += V^T.P^T (A = V^T in 2). With head_dim 64, O^T stays in tiles 4-7 across blocks and
+// is stored only when the running max moves by more than kRegrow; other head sizes accumulate in memory.
+void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t q0, int64_t nrows, int64_t h,
+              const Shape& sh, uint16_t* out) {
+    alignas(64) uint16_t qt[kMaxHead * kRows], pt[kBlock * kRows];
+    alignas(64) float sts[2 * kBlock * kRows], pv[32 * kRows], ot[kMaxHead * kRows];
+    const int64_t hd = sh.hd;
+    const bool resident = hd == 64;
+    const __mmask16 live = nrows >= kRows ? 0xffff : (1u << nrows) - 1;
+    {                                                      // Q^T in VNNI pairs: [hd / 2][16 rows][2], i.e. the
+        const __m512i rows = _mm512_mullo_epi32(           // 32-bit words of the 16 rows, transposed
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(static_cast<int>(sh.q_stride / 2)));
+        const int32_t* words = reinterpret_cast<const int32_t*>(q + q0 * sh.q_stride + h * hd);
+        for (int64_t w = 0; w < hd / 2; ++w)
+            _mm512_store_si512(reinterpret_cast<__m512i*>(qt + w * 2 * kRows),
+                               _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, words + w, 4));
+    }
+    std::fill(ot, ot + hd * kRows, 0.0f);
+    if (resident) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    const float log2_scale = sh.scale * 1.44269504f;
+    const __m512 c = _mm512_set1_ps(log2_scale), none = _mm512_set1_ps(kNone);
+    __m512 m = none, l = _mm512_setzero_ps();
+    // interleaves two keys' 16 probabilities ([key 2k | key 2k + 1] -> pairs per row): a VNNI row of P^T
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    // S^T of keys t0..t0 + 31 into tiles 0-1 (issued a block ahead, so the tile unit computes it while the
+    // vector units run the block before's softmax)
+    auto scores = [&](int64_t t0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d = 0; d < hd; d += 32) {
+            _tile_loadd(3, qt + d * kRows, 64);
+            _tile_loadd(2, kr + t0 * hd + d, hd * 2);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(2, kr + (t0 + 16) * hd + d, hd * 2);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+    };
+    const int64_t last = q0 + nrows - 1;
+    scores(0);
+    _tile_stored(0, sts, 64);
+    _tile_stored(1, sts + 16 * kRows, 64);
+    for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
+        float* const st = sts + (t0 / kBlock % 2) * kBlock * kRows;
+        const bool more = t0 + kBlock <= last;
+        if (more) scores(t0 + kBlock);
+        // key t0 + j is seen by rows i >= t0 + j - q0 (and i < nrows): only the last blocks need the mask
+        const int64_t keys = std::min<int64_t>(kBlock, last - t0 + 1);
+        const bool masked = t0 + kBlock - 1 > q0 || nrows < kRows;
+        __m512 top = m;
+        for (int64_t j = 0; j < kBlock; ++j) {
+            __m512 x = _mm512_load_ps(st + j * kRows);
+            if (masked) {
+                const int64_t from = t0 + j - q0;
+                const __mmask16 seen = j >= keys ? 0 : from <= 0 ? live : static_cast<__mmask16>(live & ~((1u << from) - 1));
+                x = _mm512_mask_mov_ps(none, seen, x);
+                _mm512_store_ps(st + j * kRows, x);
+            }
+            top = _mm512_max_ps(top, x);
+        }
+        if (_mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(top, m), c), _mm512_set1_ps(kRegrow), _CMP_GT_OQ)) {
+            const __m512 alpha = exp2_coarse(_mm512_mul_ps(_mm512_sub_ps(m, top), c));
+            l = _mm512_mul_ps(l, alpha);
+            m = top;
+            if (t0 > 0) {                                  // the accumulator so far, scaled to the new max
+                if (resident) {
+                    _tile_stored(4, ot, 64);
+                    _tile_stored(5, ot + 16 * kRows, 64);
+                    _tile_stored(6, ot + 32 * kRows, 64);
+                    _tile_stored(7, ot + 48 * kRows, 64);
+                }
+                for (int64_t d = 0; d < hd; ++d)
+                    _mm512_store_ps(ot + d * kRows, _mm512_mul_ps(_mm512_load_ps(ot + d * kRows), alpha));
+                if (resident) {
+                    _tile_loadd(4, ot, 64);
+                    _tile_loadd(5, ot + 16 * kRows, 64);
+                    _tile_loadd(6, ot + 32 * kRows, 64);
+                    _tile_loadd(7, ot + 48 * kRows, 64);
+                }
+            }
+        }
+        const __m512 mc = _mm512_mul_ps(m, c);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < kBlock; j += 2) {
+            const __m512 p0 = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + j * kRows), c, mc));
+            const __m512 p1 = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + (j + 1) * kRows), c, mc));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
+            _mm512_store_si512(reinterpret_cast<__m512i*>(pt + j * kRows), _mm512_permutexvar_epi16(pairs, both));
+        }
+        l = _mm512_add_ps(l, sum);
+        _tile_loadd(3, pt, 64);
+        const uint16_t* vb = vt + t0 * hd;                 // this block's V^T: [hd][32]
+        if (resident) {
+            _tile_loadd(2, vb, 64);
+            _tile_dpbf16ps(4, 2, 3);
+            _tile_loadd(2, vb + 16 * kBlock, 64);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_loadd(2, vb + 32 * kBlock, 64);
+            _tile_dpbf16ps(6, 2, 3);
+            _tile_loadd(2, vb + 48 * kBlock, 64);
+            _tile_dpbf16ps(7, 2, 3);
+        }
+        for (int64_t d0 = 0; !resident && d0 < hd; d0 += 32) {   // two 16-column tiles at a time, added into ot
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_loadd(2, vb + d0 * kBlock, 64);
+            _tile_dpbf16ps(4, 2, 3);
+            _tile_loadd(2, vb + (d0 + 16) * kBlock, 64);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_stored(4, pv, 64);
+            _tile_stored(5, pv + 16 * kRows, 64);
+            for (int64_t d = 0; d < 32; ++d)
+                _mm512_store_ps(ot + (d0 + d) * kRows,
+                                _mm512_add_ps(_mm512_load_ps(ot + (d0 + d) * kRows), _mm512_load_ps(pv + d * kRows)));
+        }
+        if (more) {
+            float* const next = sts + ((t0 / kBlock + 1) % 2) * kBlock * kRows;
+            _tile_stored(0, next, 64);
+            _tile_stored(1, next + 16 * kRows, 64);
+        }
+    }
+    if (resident) {
+        _tile_stored(4, ot, 64);
+        _tile_stored(5, ot + 16 * kRows, 64);
+        _tile_stored(6, ot + 32 * kRows, 64);
+        _tile_stored(7, ot + 48 * kRows, 64);
+    }
+    // O = O^T / l, back to rows 16 columns at a time
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), live, l));
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        __m512 r[16];
+        for (int d = 0; d < 16; ++d) r[d] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + d) * kRows), inv);
+        transpose16(r);
+        for (int64_t i = 0; i < nrows; ++i)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 + i) * sh.heads * hd + h * hd + d0),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[i])));
+    }
+}
+#endif
+
+template <typename T>
+void prefill_attention(const T* q, const T* k, const T* v, const int64_t* starts, int64_t seqs, T* out,
+                       void* scratch, const Shape& sh, int threads, int path) {
+    const int64_t group = sh.heads / sh.kv_heads;
+    std::vector<int64_t> packed(seqs + 1, 0);              // each sequence's offset in scratch, x kv_heads x hd x 4 B
+    struct Task { int64_t seq, first; };
+    std::vector<Task> tasks;
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t len = starts[s + 1] - starts[s];
+        packed[s + 1] = packed[s] + padded(len);
+        for (int64_t first = 0; first < len; first += kRows) tasks.push_back({s, first});
+    }
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.first > b.first; });
+    const int64_t ntasks = static_cast<int64_t>(tasks.size()) * sh.heads;
+    char* const base = static_cast<char*>(scratch);
+    auto region = [&](int64_t s, int64_t g) {              // 4 x padded len x hd bytes per (sequence, kv head)
+        return base + (packed[s] * sh.kv_heads + g * (packed[s + 1] - packed[s])) * sh.hd * 4;
+    };
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(APPLIANCE_AMX)
+        if constexpr (sizeof(T) == 2) if (path == kAmx) configure_tiles();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t sg = 0; sg < seqs * sh.kv_heads; ++sg) {
+            const int64_t s = sg / sh.kv_heads, g = sg % sh.kv_heads, len = starts[s + 1] - starts[s];
+            const T* ks = k + starts[s] * sh.kv_stride + g * sh.hd;
+#if defined(APPLIANCE_AMX)
+            if constexpr (sizeof(T) == 2) {
+                if (path == kAmx) {
+                    uint16_t* kp = reinterpret_cast<uint16_t*>(region(s, g));
+                    pack_rows_and_columns(ks, v + starts[s] * sh.kv_stride + g * sh.hd, len, sh, kp, kp + padded(len) * sh.hd);
+                    continue;
+                }
+            }
+#endif
+            pack_k_columns(ks, len, sh, reinterpret_cast<float*>(region(s, g)));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < ntasks; ++n) {
+            const Task& task = tasks[n / sh.heads];
+            const int64_t h = n % sh.heads, g = h / group, s = task.seq;
+            const int64_t len = starts[s + 1] - starts[s], lp = padded(len), nrows = std::min(kRows, len - task.first);
+            const T* qs = q + starts[s] * sh.q_stride;
+            const T* vs = v + starts[s] * sh.kv_stride + g * sh.hd;
+            T* os = out + starts[s] * sh.heads * sh.hd;
+#if defined(APPLIANCE_AMX)
+            if constexpr (sizeof(T) == 2) {
+                if (path == kAmx) {
+                    const uint16_t* kp = reinterpret_cast<const uint16_t*>(region(s, g));
+                    task_amx(qs, kp, kp + lp * sh.hd, task.first, nrows, h, sh, os);
+                    continue;
+                }
+            }
+#endif
+            const float* kt = reinterpret_cast<const float*>(region(s, g));
+#if defined(__AVX512F__)
+            if constexpr (sizeof(T) == 4) {
+                if (path == kAvx512) {
+                    task_avx512(qs, kt, vs, lp, task.first, nrows, h, sh, os);
+                    continue;
+                }
+            }
+#endif
+            task_portable(qs, kt, vs, lp, task.first, nrows, h, sh, os);
+        }
+#if defined(APPLIANCE_AMX)
+        if constexpr (sizeof(T) == 2) if (path == kAmx) _tile_release();
+#endif
+    }
+}
+
+}  // namespace
+
+extern "C" {
+// Bit 0: the AVX-512 float32 path is compiled in; bit 1: the AMX bfloat16 path is compiled in and Linux granted
+// this process the tile state (asked here, once; the grant is process-wide).
+int prefill_attention_paths() {
+    int paths = 0;
+#if defined(__AVX512F__)
+    paths |= 1;
+#endif
+#if defined(APPLIANCE_AMX)
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;    // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    if (granted) paths |= 2;
+#endif
+    return paths;
+}
+
+void causal_prefill_attention_f32(const float* q, const float* k, const float* v, const int64_t* starts, int64_t seqs,
+                                  float* out, void* scratch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                  int64_t q_stride, int64_t kv_stride, float scale, int threads, int path) {
+    prefill_attention(q, k, v, starts, seqs, out, scratch, Shape{heads, kv_heads, head_dim, q_stride, kv_stride, scale},
+                      threads, path);
+}
+
+void causal_prefill_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* starts,
+                                   int64_t seqs, uint16_t* out, void* scratch, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale, int threads,
+                                   int path) {
+    prefill_attention(q, k, v, starts, seqs, out, scratch, Shape{heads, kv_heads, head_dim, q_stride, kv_stride, scale},
+                      threads, path);
+}
+}

@@ -1,0 +1,104 @@
+"""Causal attention of prefill chunks that start at position 0, on CPU, by a flash-attention kernel.
+
+Why: a prefill from position 0 attends only to its own keys, and torch's CPU SDPA (its flash kernel) runs that
+at about 310 GFLOP/s in bfloat16 and 125 in float32 on the Xeon of BENCHMARKS (4 x 512 prompts, 8 heads of 64):
+a quarter of a 4 x 512 bf16 prefill step, and what left the appliance's prefill behind vLLM's (whose CPU
+backend has its own AMX kernel). The kernel (npu/kernels/prefill_attention.cpp) computes the scores and P.V on
+the AMX tile unit in bfloat16 and in AVX-512 register blocks in float32, online softmax in float32 over 32-key
+blocks, all sequences of a call in one task list (16 query rows of one head each, longest first).
+
+Where it applies (causal_prefill_attention): a CPU runner with the kernels built, in bfloat16 where the CPU has
+AMX and Linux grants it, in float32 where it has AVX-512, head_dim a multiple of 32 (bf16) or 64 (fp32) up to
+256. Anywhere else the runner's SDPA path runs (the kernel's portable path exists for the tests: it is slower
+than SDPA). tests/npu/test_prefill_attention_cpu.py checks every path the CPU has against SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from npu.cpu_kernels import entry, kernels_for, ptr
+
+log = logging.getLogger("npu.prefill_attention_cpu")
+
+PORTABLE, AVX512, AMX = 0, 1, 2       # the kernel's paths (prefill_attention.cpp `Path`)
+BLOCK = 32                            # the kernel pads each sequence's keys to a multiple of this
+MAX_HEAD_DIM = 256
+
+
+def available_paths(lib: ctypes.CDLL) -> set[int]:
+    """The fast paths this build has and this process may use (AMX: granted by Linux on the kernel's request)."""
+    lib.prefill_attention_paths.restype = ctypes.c_int
+    bits = lib.prefill_attention_paths()
+    return {PORTABLE} | ({AVX512} if bits & 1 else set()) | ({AMX} if bits & 2 else set())
+
+
+class CausalPrefillAttention:
+    """Attention of packed sequences over their own keys, each row over its sequence's rows up to itself."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                 path: int):
+        if path not in available_paths(lib):
+            raise ValueError(f"prefill attention path {path} is not available on this CPU / build")
+        self.fn = entry(lib, "causal_prefill_attention", dtype)
+        self.dtype, self.path = dtype, path
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = ctypes.c_float(head_dim ** -0.5)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """q [rows, heads x head_dim], k and v [rows, kv_heads x head_dim]: row views (k and v with one row
+        stride, each row's elements contiguous, as column slices of the layer's qkv); the rows are the sequences
+        one after another, `lengths` of them. Returns [rows, heads, head_dim]."""
+        rows = q.shape[0]
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if (q.dtype != self.dtype or k.dtype != self.dtype or v.dtype != self.dtype
+                or q.shape != (rows, nh * hd) or k.shape != (rows, kvh * hd) or v.shape != (rows, kvh * hd)
+                or q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1 or k.stride(0) != v.stride(0)
+                or sum(lengths) != rows or min(lengths, default=1) < 1):
+            raise ValueError(f"causal prefill attention: q {tuple(q.shape)} {q.stride()}, k {tuple(k.shape)} "
+                             f"{k.stride()}, v {tuple(v.shape)} {v.stride()} ({q.dtype}), lengths summing to "
+                             f"{sum(lengths)} do not fit a {self.dtype} kernel of {nh} heads x {hd}, {kvh} kv heads")
+        out = torch.empty(rows, nh, hd, dtype=self.dtype)
+        if rows == 0:
+            return out
+        starts = torch.tensor([0, *lengths], dtype=torch.int64).cumsum_(0)
+        padded = sum(-(-n // BLOCK) * BLOCK for n in lengths)
+        scratch = torch.empty(padded * kvh * hd * 4, dtype=torch.uint8)   # packed keys (and values): the kernel's
+        self.fn(ptr(q), ptr(k), ptr(v), ptr(starts), ctypes.c_int64(len(lengths)), ptr(out), ptr(scratch),
+                ctypes.c_int64(nh), ctypes.c_int64(kvh), ctypes.c_int64(hd), ctypes.c_int64(q.stride(0)),
+                ctypes.c_int64(k.stride(0)), self.scale, ctypes.c_int(torch.get_num_threads()), ctypes.c_int(self.path))
+        return out
+
+
+def fast_path(dtype: torch.dtype, head_dim: int, paths: set[int]) -> tuple[int | None, str]:
+    """The path that beats SDPA for this dtype and head size on this CPU, or None and why not."""
+    if dtype == torch.bfloat16:
+        if AMX not in paths:
+            return None, "bfloat16 needs the AMX tile unit (this CPU or kernel build has none, or Linux refused it)"
+        if head_dim % 32 or head_dim > MAX_HEAD_DIM:
+            return None, f"bfloat16 needs head_dim a multiple of 32 up to {MAX_HEAD_DIM}, not {head_dim}"
+        return AMX, "AMX bfloat16 tiles"
+    if dtype == torch.float32:
+        if AVX512 not in paths:
+            return None, "float32 needs AVX-512 (this CPU or kernel build has none)"
+        if head_dim % 64 or head_dim > MAX_HEAD_DIM:
+            return None, f"float32 needs head_dim a multiple of 64 up to {MAX_HEAD_DIM}, not {head_dim}"
+        return AVX512, "AVX-512 float32"
+    return None, f"no kernel for {dtype}"
+
+
+def causal_prefill_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> CausalPrefillAttention | None:
+    """The kernel where it beats SDPA for a runner, else None (and why, logged)."""
+    lib = kernels_for(device, dtype, "prefill attention (SDPA)")
+    if lib is None:
+        return None
+    path, why = fast_path(dtype, head_dim, available_paths(lib))
+    if path is None:
+        log.info("prefill attention on SDPA: %s", why)
+        return None
+    log.info("prefill attention from position 0: the CPU kernel, %s", why)
+    return CausalPrefillAttention(lib, dtype, num_heads, num_kv_heads, head_dim, path)

@@ -1,0 +1,194 @@
+"""The CPU causal prefill-attention kernel (npu.prefill_attention_cpu): every path this CPU has (the portable
+loops always; AVX-512 float32 and AMX bfloat16 where the CPU has them) against float64 attention, at the tile and
+block edges, with the running max raised late in a sequence, independent of the thread count and of the other
+sequences of a call, its arguments checked, and used by the Qwen3 runner for chunks from position 0 (the
+transformers oracle, test_qwen3_oracle.py, runs it too). Building and the fallback: test_cpu_kernels.py."""
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.config.compose import load_runtime_config
+from npu.cpu_kernels import load
+from npu.prefill_attention_cpu import (AMX, AVX512, PORTABLE, CausalPrefillAttention, available_paths,
+                                       causal_prefill_attention, fast_path)
+from npu.qwen3.runner import Qwen3Runner
+from npu.step import SeqStep, StepBatch
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler: the runner uses SDPA (tested elsewhere)")
+
+LENGTHS = [1, 15, 16, 17, 31, 32, 33, 47, 100, 161]     # tile (16) and block (32) edges, and a few blocks
+
+
+def paths() -> set[int]:
+    return available_paths(load())
+
+
+def path_params():
+    """(dtype, path) pairs; a fast path the CPU lacks is skipped with the reason."""
+    out = []
+    for dtype, path, name in ((torch.float32, PORTABLE, "portable-fp32"), (torch.bfloat16, PORTABLE, "portable-bf16"),
+                              (torch.float32, AVX512, "avx512-fp32"), (torch.bfloat16, AMX, "amx-bf16")):
+        marks = [pytest.mark.skipif(path not in paths(), reason=f"this CPU has no {name.split('-')[0]} path")]
+        out.append(pytest.param(dtype, path, id=name, marks=marks))
+    return out
+
+
+def packed(dtype, heads, kv_heads, head_dim, lengths, seed=0, scale=1.0):
+    """The layer's qkv rows of sequences one after another: q | k | v per row, as the runner holds them."""
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(sum(lengths), (heads + 2 * kv_heads) * head_dim, generator=g)).to(dtype)
+
+
+def views(qkv, heads, kv_heads, head_dim):
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+
+
+def reference(qkv, heads, kv_heads, head_dim, lengths, dtype=torch.float64):
+    """Causal attention of each sequence alone, by SDPA in `dtype`: [rows, heads, head_dim]."""
+    outs, first = [], 0
+    for n in lengths:
+        rows = qkv[first:first + n].to(dtype).view(n, heads + 2 * kv_heads, head_dim)
+        first += n
+        q, k, v = (rows[:, a:b].transpose(0, 1)[None] for a, b in
+                   ((0, heads), (heads, heads + kv_heads), (heads + kv_heads, heads + 2 * kv_heads)))
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def error(got, want) -> float:
+    return (got.double() - want).abs().max().item()
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (12, 2, 64), (4, 4, 128), (6, 1, 64),
+                                                       (4, 2, 32), (2, 1, 96), (2, 2, 256)])
+@pytest.mark.parametrize("dtype, path", path_params())
+def test_every_path_equals_causal_attention(dtype, path, heads, kv_heads, head_dim):
+    if path == AVX512 and head_dim % 64:
+        pytest.skip("the AVX-512 path takes head_dim in multiples of 64")
+    if path == AMX and head_dim % 32:
+        pytest.skip("the AMX path takes head_dim in multiples of 32")
+    qkv = packed(dtype, heads, kv_heads, head_dim, LENGTHS)
+    op = CausalPrefillAttention(load(), dtype, heads, kv_heads, head_dim, path)
+    out = op(*views(qkv, heads, kv_heads, head_dim), LENGTHS)
+    assert out.dtype == dtype and out.shape == (sum(LENGTHS), heads, head_dim)
+    want = reference(qkv, heads, kv_heads, head_dim, LENGTHS)
+    if dtype == torch.float32:
+        assert error(out, want) < 2e-6
+    else:       # no worse than torch's own bfloat16 SDPA on the same inputs (P rounded to bfloat16 in both)
+        sdpa = reference(qkv, heads, kv_heads, head_dim, LENGTHS, torch.bfloat16)
+        assert error(out, want) <= 1.5 * error(sdpa, want) + 1e-3
+
+
+@pytest.mark.parametrize("dtype, path", path_params())
+def test_a_max_that_keeps_rising_and_large_scores(dtype, path):
+    """Scores that grow along the sequence (each key larger than the last: the AMX path raises its running max
+    in steps and rescales its accumulator) and scores of several hundred (exp overflows without the max)."""
+    heads, kv_heads, head_dim, lengths = 4, 2, 64, [300, 70]
+    qkv = packed(torch.float32, heads, kv_heads, head_dim, lengths, seed=3)
+    rows = qkv.view(-1, heads + 2 * kv_heads, head_dim)
+    rows[:, :heads] = rows[:, :heads].abs() * 3                       # queries and keys point the same way...
+    position = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths])
+    rows[:, heads:heads + kv_heads] = rows[:, heads:heads + kv_heads].abs() * (0.2 + position / 25)[:, None, None]
+    qkv = qkv.to(dtype)                                               # ...and later keys are longer
+    op = CausalPrefillAttention(load(), dtype, heads, kv_heads, head_dim, path)
+    out = op(*views(qkv, heads, kv_heads, head_dim), lengths)
+    want = reference(qkv, heads, kv_heads, head_dim, lengths)
+    assert torch.isfinite(out).all()
+    sdpa = reference(qkv, heads, kv_heads, head_dim, lengths, dtype)   # scores of ~300 lose digits in any dtype
+    assert error(out, want) <= 1.5 * error(sdpa, want) + (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def on_threads(threads: int, op, *args) -> torch.Tensor:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return op(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype, path", path_params())
+def test_sequences_do_not_depend_on_the_thread_count_or_on_each_other(dtype, path):
+    heads, kv_heads, head_dim = 8, 2, 64
+    qkv = packed(dtype, heads, kv_heads, head_dim, LENGTHS, seed=1)
+    op = CausalPrefillAttention(load(), dtype, heads, kv_heads, head_dim, path)
+    one, two, three = (on_threads(n, op, *views(qkv, heads, kv_heads, head_dim), LENGTHS) for n in (1, 2, 3))
+    assert torch.equal(one, two) and torch.equal(one, three)       # a task is 16 rows of one head on one thread
+    first = sum(LENGTHS[:8])                                        # the 100-token sequence, alone
+    alone = op(*views(qkv[first:first + 100], heads, kv_heads, head_dim), [100])
+    assert torch.equal(alone, one[first:first + 100])
+
+
+def test_arguments_that_do_not_fit_the_kernel_are_a_clear_error():
+    op = CausalPrefillAttention(load(), torch.float32, 8, 2, 64, PORTABLE)
+    qkv = packed(torch.float32, 8, 2, 64, [10, 6])
+    q, k, v = views(qkv, 8, 2, 64)
+    with pytest.raises(ValueError, match="do not fit a torch.float32 kernel of 8 heads x 64, 2 kv heads"):
+        op(q.to(torch.bfloat16), k, v, [10, 6])
+    with pytest.raises(ValueError, match="lengths summing to 15"):
+        op(q, k, v, [10, 5])
+    with pytest.raises(ValueError, match="do not fit"):
+        op(q, k, v, [16, 0])                                        # an empty sequence
+    with pytest.raises(ValueError, match="do not fit"):
+        op(q[:, :256], k, v, [10, 6])                               # 4 heads' worth of query
+    with pytest.raises(ValueError, match="do not fit"):
+        op(q, k.contiguous(), v, [10, 6])                           # k and v with different row strides
+    with pytest.raises(ValueError, match="not available"):
+        CausalPrefillAttention(load(), torch.float32, 8, 2, 64, 7)
+
+
+def test_the_fast_path_is_chosen_by_dtype_head_size_and_cpu():
+    assert fast_path(torch.bfloat16, 64, {PORTABLE, AVX512, AMX}) == (AMX, "AMX bfloat16 tiles")
+    assert fast_path(torch.float32, 128, {PORTABLE, AVX512, AMX}) == (AVX512, "AVX-512 float32")
+    for dtype, head_dim, have, why in ((torch.bfloat16, 64, {PORTABLE, AVX512}, "AMX"),
+                                       (torch.bfloat16, 80, {PORTABLE, AMX}, "multiple of 32"),
+                                       (torch.float32, 64, {PORTABLE}, "AVX-512"),
+                                       (torch.float32, 96, {PORTABLE, AVX512}, "multiple of 64"),
+                                       (torch.float16, 64, {PORTABLE, AVX512, AMX}, "no kernel")):
+        path, reason = fast_path(dtype, head_dim, have)
+        assert path is None and why in reason
+    assert causal_prefill_attention(torch.device("meta"), torch.float32, 8, 2, 64) is None   # CPU runners only
+
+
+def chunked_prefills(rng: random.Random) -> StepBatch:
+    """A step of three chunks from position 0, two of one length (one group for the runner)."""
+    return StepBatch([SeqStep("a", [rng.randrange(3, 500) for _ in range(37)], 0, {"kv": [0, 1, 2]}),
+                      SeqStep("b", [rng.randrange(3, 500) for _ in range(37)], 0, {"kv": [3, 4, 5]}),
+                      SeqStep("c", [rng.randrange(3, 500) for _ in range(20)], 0, {"kv": [6, 7]})],
+                     new_pages={"kv": list(range(8))})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_runner_sends_chunks_from_position_0_to_the_kernel_and_matches_sdpa(dtype):
+    name = str(dtype).split(".")[1]
+    rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256",
+                              f"model.layout.dtype={name}", f"model.cache_groups.0.row.dtype={name}"])
+    runner = Qwen3Runner(rc.model, "cpu")
+    path, _ = fast_path(dtype, runner.head_dim, paths())
+    if path is None:
+        assert runner.prefill_attention is None                     # SDPA where the kernel would not be faster
+        pytest.skip("this CPU has no fast prefill path for this dtype")
+    assert runner.prefill_attention is not None
+    runner.load_weights()
+    calls = []
+    op = runner.prefill_attention
+
+    def counted(q, k, v, lengths):
+        calls.append(list(lengths))
+        return op(q, k, v, lengths)
+
+    results = []
+    for kernel in (counted, None):
+        runner.prefill_attention = kernel
+        runner.allocate_pools({"kv": 16}, 1)
+        results.append(runner.execute(chunked_prefills(random.Random(2))).float())
+        runner.free_pools()
+    assert calls == [[20], [37, 37]] * rc.model.layout.num_layers    # per layer: one call per group of lengths
+    tol = 1e-5 if dtype == torch.float32 else 0.1                    # bf16: logits of ~1, rounded per layer
+    assert (results[0] - results[1]).abs().max().item() < tol
