@@ -27,11 +27,17 @@ class PagedDecodeAttention:
     """Attention of one-token rows over one layer's pool, each row over its own pages and length."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int):
-        self.fn = entry(lib, "paged_decode_attention", dtype)
+                 block_size: int, tiles: bool | None = None):
+        """tiles: the AMX path (bfloat16 only); None picks it wherever it applies (amx_applies)."""
         self.dtype = dtype
         self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.scale = ctypes.c_float(head_dim ** -0.5)
+        applies, why = amx_applies(lib, dtype, num_heads, num_kv_heads, head_dim, block_size)
+        if tiles and not applies:
+            raise ValueError(f"paged decode attention on AMX tiles: {why}")
+        self.tiles = applies if tiles is None else tiles
+        self.fn = lib.paged_decode_attention_amx_bf16 if self.tiles else entry(lib, "paged_decode_attention", dtype)
+        self.fn.restype = None
 
     def __call__(self, query: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor,
                  checked_longest: int | None = None) -> torch.Tensor:
@@ -66,12 +72,27 @@ class PagedDecodeAttention:
         query, pages, lengths = query.contiguous(), pages.contiguous(), lengths.contiguous()
         out = torch.empty_like(query)
         threads = torch.get_num_threads()
-        scratch = torch.empty(threads, self.num_heads * longest, dtype=torch.float32)   # each thread's scores
+        per_thread = -(-longest // 32) * 32 * 16 if self.tiles else self.num_heads * longest
+        scratch = torch.empty(threads, per_thread, dtype=torch.float32)   # each thread's scores
         self.fn(ptr(query), ptr(planes), ptr(pages), ptr(lengths), ptr(out), ptr(scratch), ctypes.c_int64(rows),
                 ctypes.c_int64(width), ctypes.c_int64(self.num_heads), ctypes.c_int64(self.num_kv_heads),
                 ctypes.c_int64(self.head_dim), ctypes.c_int64(self.block_size), ctypes.c_int64(longest), self.scale,
                 ctypes.c_int(threads))
         return out
+
+
+def amx_applies(lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int) -> tuple[bool, str]:
+    """Whether the AMX decode path serves this shape on this CPU, and why not."""
+    lib.paged_decode_amx.restype = ctypes.c_int
+    if dtype != torch.bfloat16:
+        return False, f"it takes bfloat16, not {dtype}"
+    if not lib.paged_decode_amx():
+        return False, "this CPU or kernel build has no AMX tile unit, or Linux refused it"
+    if head_dim not in (64, 128) or num_heads // num_kv_heads > 16 or block_size % 16:
+        return False, (f"it takes head_dim 64 or 128, up to 16 query heads per kv head and "
+                       f"block_size a multiple of 16, not {head_dim}, {num_heads // num_kv_heads}, {block_size}")
+    return True, "AMX tiles"
 
 
 def paged_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "floats.h"
 
 namespace {
@@ -149,6 +150,164 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
     }
 }
 
+#if defined(APPLIANCE_AMX)
+constexpr int64_t kAhead = 32;   // keys prefetched ahead of pass 1
+
+// The bfloat16 decode path on the tile unit (head_dim 64 or 128, up to 16 query heads per kv head, block_size a
+// multiple of 16). One task is one row's kv head: its G query heads read each key once. Every tile is 16 rows x
+// 64 bytes; lanes (columns or rows) past G hold zeros or values nobody reads. Two passes over the row's keys:
+//   1. S^T = K.Q^T: A = 16 keys x 32 dims of K read in place from the page (no copy), B = Q^T in VNNI pairs
+//      (tiles 3-4, and 5-6 for head_dim 128, loaded once per task), C = [16 keys][16 lanes] (tile 0), stored to
+//      the task's scores. Then the max over every key, one vector per key (G heads in its lanes).
+//   2. per 32 keys: probabilities exp2(x c - max c) (no running rescale: the max is known), summed; as bfloat16
+//      pairs of keys, transposed to P [heads][32 keys] (A, tile 2); V's key pairs interleaved per dimension (B,
+//      tile 7: staged, zeros past the length, so a NaN in an unwritten row cannot reach the sum); O += P.V into
+//      C tiles 0, 1, 5, 6 (head_dim 64: resident across the whole row) or, for 128, two at a time added into memory.
+void decode_attention_amx(const uint16_t* query, const uint16_t* pool, const int64_t* pages, const int64_t* lengths,
+                          uint16_t* out, float* scratch, int64_t rows, int64_t width, int64_t heads, int64_t kv_heads,
+                          int64_t hd, int64_t block_size, int64_t max_len, float scale, int threads) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * hd, plane = block_size * token_stride;
+    const int64_t padded_len = (max_len + 31) / 32 * 32;
+    const bool resident = hd == 64;
+    if (rows * kv_heads < threads) threads = static_cast<int>(std::max<int64_t>(1, rows * kv_heads));
+#pragma omp parallel num_threads(threads)
+    {
+        kernels::configure_tiles({64, 64, 64, 64, 64, 64, 64, 64});
+        alignas(64) uint32_t qt[4 * 16 * 16];                      // Q^T chunks: [hd / 2 pairs][16 lanes]
+        alignas(64) float pa[16 * 16];                             // P of a block: [16 heads][16 key pairs]
+        alignas(64) uint16_t vs[16 * 128 * 2];                     // V of a block: [16 key pairs][hd][2]
+        alignas(64) float o[16 * 128], part[16 * 32];              // [16 heads][hd]; two chunks of a block
+        float* const st = scratch + omp_get_thread_num() * padded_len * 16;   // the caller's: [keys][16 lanes]
+        std::memset(qt, 0, sizeof qt);
+        const __m512 none = _mm512_set1_ps(-1e30f), c = _mm512_set1_ps(scale * 1.44269504f);
+        // lane-wise interleave of two rows' 32 values: (a0, b0, a1, b1, ...) for the low 16, then the high 16
+        const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                             37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * kv_heads; ++task) {
+            const int64_t r = task / kv_heads, g = task % kv_heads, len = lengths[r];
+            const int64_t* table = pages + r * width;
+            auto key_row = [&](int64_t t, int which) {           // token t's K (0) or V (1) row of kv head g
+                return pool + (2 * table[t / block_size] + which) * plane + (t % block_size) * token_stride + g * hd;
+            };
+            // pages are scattered, so the hardware prefetcher stops at each one: the K and V rows kAhead keys
+            // ahead are requested while these are read (V is read again in pass 2, from cache by then)
+            auto prefetch = [&](int64_t t0) {
+                if (t0 >= len) return;
+                for (int which = 0; which < 2; ++which) {
+                    const char* row = reinterpret_cast<const char*>(key_row(t0, which));
+                    for (int64_t t = 0; t < std::min<int64_t>(16, len - t0); ++t)
+                        for (int64_t b = 0; b < hd * 2; b += 64) __builtin_prefetch(row + t * token_stride * 2 + b);
+                }
+            };
+            const uint32_t* qw = reinterpret_cast<const uint32_t*>(query + (r * heads + g * group) * hd);
+            for (int64_t w = 0; w < hd / 2; ++w)
+                for (int64_t h = 0; h < group; ++h) qt[w * 16 + h] = qw[h * (hd / 2) + w];
+            _tile_loadd(3, qt, 64);
+            _tile_loadd(4, qt + 256, 64);
+            if (!resident) {
+                _tile_loadd(5, qt + 512, 64);
+                _tile_loadd(6, qt + 768, 64);
+            }
+            for (int64_t t = 0; t < kAhead; t += 16) prefetch(t);
+            __m512 top = none;
+            for (int64_t t0 = 0; t0 < len; t0 += 16) {          // pass 1: scores, 16 keys (one page's part) per tile
+                prefetch(t0 + kAhead);
+                const uint16_t* k = key_row(t0, 0);
+                _tile_zero(0);
+                _tile_loadd(2, k, token_stride * 2);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_loadd(7, k + 32, token_stride * 2);
+                _tile_dpbf16ps(0, 7, 4);
+                if (!resident) {
+                    _tile_loadd(2, k + 64, token_stride * 2);
+                    _tile_dpbf16ps(0, 2, 5);
+                    _tile_loadd(7, k + 96, token_stride * 2);
+                    _tile_dpbf16ps(0, 7, 6);
+                }
+                _tile_stored(0, st + t0 * 16, 64);
+                if (t0 >= 16) for (int64_t t = t0 - 16; t < t0; ++t) top = _mm512_max_ps(top, _mm512_load_ps(st + t * 16));
+            }
+            for (int64_t t = std::max<int64_t>(0, (len - 1) / 16 * 16); t < len; ++t)   // the last tile's keys
+                top = _mm512_max_ps(top, _mm512_load_ps(st + t * 16));
+            const __m512 tc = _mm512_mul_ps(top, c);
+            __m512 sum = _mm512_setzero_ps();
+            if (resident) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(5);
+                _tile_zero(6);
+            } else {
+                std::memset(o, 0, sizeof(float) * 16 * hd);
+            }
+            for (int64_t t0 = 0; t0 < len; t0 += 32) {           // pass 2
+                const int64_t keys = std::min<int64_t>(32, len - t0);
+                __m512 pairs[16];
+                for (int64_t j = 0; j < 32; j += 2) {
+                    const __m512 x0 = j < keys ? _mm512_load_ps(st + (t0 + j) * 16) : none;
+                    const __m512 x1 = j + 1 < keys ? _mm512_load_ps(st + (t0 + j + 1) * 16) : none;
+                    const __m512 p0 = kernels::exp2_coarse(_mm512_fmsub_ps(x0, c, tc));
+                    const __m512 p1 = kernels::exp2_coarse(_mm512_fmsub_ps(x1, c, tc));
+                    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                    pairs[j / 2] = _mm512_castsi512_ps(kernels::bf16_pairs(p0, p1));
+                    uint16_t* dst = vs + (j / 2) * hd * 2;       // this pair's V rows, interleaved per dimension
+                    const uint16_t* a = j < keys ? key_row(t0 + j, 1) : nullptr;
+                    const uint16_t* b = j + 1 < keys ? key_row(t0 + j + 1, 1) : nullptr;
+                    for (int64_t d = 0; d < hd; d += 32) {
+                        const __m512i va = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+                        const __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+                        _mm512_store_si512(reinterpret_cast<__m512i*>(dst + 2 * d), _mm512_permutex2var_epi16(va, low, vb));
+                        _mm512_store_si512(reinterpret_cast<__m512i*>(dst + 2 * d + 32),
+                                           _mm512_permutex2var_epi16(va, high, vb));
+                    }
+                }
+                kernels::transpose16(pairs);                     // [pair][head] -> [head][pair]
+                for (int i = 0; i < 16; ++i) _mm512_store_ps(pa + i * 16, pairs[i]);
+                _tile_loadd(2, pa, 64);
+                if (resident) {
+                    _tile_loadd(7, vs, hd * 4);
+                    _tile_dpbf16ps(0, 2, 7);
+                    _tile_loadd(7, vs + 32, hd * 4);
+                    _tile_dpbf16ps(1, 2, 7);
+                    _tile_loadd(7, vs + 64, hd * 4);
+                    _tile_dpbf16ps(5, 2, 7);
+                    _tile_loadd(7, vs + 96, hd * 4);
+                    _tile_dpbf16ps(6, 2, 7);
+                    continue;
+                }
+                for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_loadd(7, vs + 2 * d0, hd * 4);
+                    _tile_dpbf16ps(0, 2, 7);
+                    _tile_loadd(7, vs + 2 * d0 + 32, hd * 4);
+                    _tile_dpbf16ps(1, 2, 7);
+                    _tile_stored(0, part, 128);
+                    _tile_stored(1, part + 16, 128);
+                    for (int64_t h = 0; h < group; ++h)
+                        for (int64_t d = 0; d < 32; ++d) o[h * hd + d0 + d] += part[h * 32 + d];
+                }
+            }
+            if (resident) {
+                _tile_stored(0, o, hd * 4);
+                _tile_stored(1, o + 16, hd * 4);
+                _tile_stored(5, o + 32, hd * 4);
+                _tile_stored(6, o + 48, hd * 4);
+            }
+            alignas(64) float total[16];
+            _mm512_store_ps(total, sum);
+            uint16_t* dst = out + (r * heads + g * group) * hd;
+            for (int64_t h = 0; h < group; ++h) {
+                const float inv = 1.0f / total[h];
+                for (int64_t d = 0; d < hd; ++d) narrow(dst + h * hd + d, o[h * hd + d] * inv);
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
 template <typename T>
 void dispatch(const T* q, const T* pool, const int64_t* pages, const int64_t* lengths, T* out, float* scratch,
               int64_t rows, int64_t width, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -175,5 +334,26 @@ void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* pool, const 
                                  int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                  int64_t max_len, float scale, int threads) {
     dispatch(q, pool, pages, lengths, out, scratch, rows, width, heads, kv_heads, head_dim, block_size, max_len, scale, threads);
+}
+
+// The tile-unit path (decode_attention_amx): the caller checks paged_decode_amx() and the shape limits first, and
+// passes scratch of [threads][max_len rounded up to 32][16] floats.
+void paged_decode_attention_amx_bf16(const uint16_t* q, const uint16_t* pool, const int64_t* pages,
+                                     const int64_t* lengths, uint16_t* out, float* scratch, int64_t rows,
+                                     int64_t width, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                     int64_t block_size, int64_t max_len, float scale, int threads) {
+#if defined(APPLIANCE_AMX)
+    decode_attention_amx(q, pool, pages, lengths, out, scratch, rows, width, heads, kv_heads, head_dim, block_size,
+                         max_len, scale, threads);
+#endif
+}
+
+// 1: this build has the tile-unit decode path and Linux granted the tile state (asked here, once).
+int paged_decode_amx() {
+#if defined(APPLIANCE_AMX)
+    return kernels::amx_granted() ? 1 : 0;
+#else
+    return 0;
+#endif
 }
 }

@@ -28,18 +28,17 @@
 #if defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define APPLIANCE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "floats.h"
 
 namespace {
 
 using kernels::narrow;
 using kernels::widen;
+#if defined(APPLIANCE_AMX)
+using kernels::bf16_pairs;
+using kernels::exp2_coarse;
+#endif
 
 constexpr int64_t kRows = 16;        // query rows per task: one AMX tile's rows
 constexpr int64_t kBlock = 32;       // keys per online-softmax step: one tile row of bfloat16
@@ -275,50 +274,6 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, in
 #endif
 
 #if defined(APPLIANCE_AMX)
-// r[i] lane j <-> r[j] lane i.
-inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 16; i += 8) {
-        for (int j = 0; j < 4; ++j) {
-            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    }
-    for (int j = 0; j < 8; ++j) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
-struct alignas(64) TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-void configure_tiles() {             // eight tiles of 16 rows x 64 bytes
-    TileConfig c;
-    std::memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
-
 // K of one (sequence, kv head) as rows ([padded len][hd]: the A operand of K.Q^T) and V transposed per 32-key
 // block ([padded len / 32][hd][32]: a block's A operands of V^T.P^T, contiguous), both bfloat16; padding keys
 // are zeros.
@@ -335,19 +290,6 @@ void pack_rows_and_columns(const uint16_t* k, const uint16_t* v, int64_t len, co
             else for (int64_t d = 0; d < hd; ++d) block[d * kBlock + t] = 0;
         }
     }
-}
-
-// 2^t for the AMX path's probabilities: 2^round(t) x 2^f, |f| <= 1/2, by a degree-4 polynomial (relative error
-// ~4e-5; P is rounded to bfloat16, 4e-3, after it). t of -1e29 (a masked key) gives 0.
-inline __m512 exp2_coarse(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(0.00961813f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240227f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 constexpr float kRegrow = 8.0f;   // log2 units: the running max is raised only past 2^8 (P stays <= 256), so most
@@ -384,9 +326,6 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
     const float log2_scale = sh.scale * 1.44269504f;
     const __m512 c = _mm512_set1_ps(log2_scale), none = _mm512_set1_ps(kNone);
     __m512 m = none, l = _mm512_setzero_ps();
-    // interleaves two keys' 16 probabilities ([key 2k | key 2k + 1] -> pairs per row): a VNNI row of P^T
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     // S^T of keys t0..t0 + 31 into tiles 0-1 (issued a block ahead, so the tile unit computes it while the
     // vector units run the block before's softmax)
     auto scores = [&](int64_t t0) {
@@ -449,8 +388,7 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
             const __m512 p0 = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + j * kRows), c, mc));
             const __m512 p1 = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + (j + 1) * kRows), c, mc));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
-            _mm512_store_si512(reinterpret_cast<__m512i*>(pt + j * kRows), _mm512_permutexvar_epi16(pairs, both));
+            _mm512_store_si512(reinterpret_cast<__m512i*>(pt + j * kRows), bf16_pairs(p0, p1));
         }
         l = _mm512_add_ps(l, sum);
         _tile_loadd(3, pt, 64);
@@ -495,7 +433,7 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
     for (int64_t d0 = 0; d0 < hd; d0 += 16) {
         __m512 r[16];
         for (int d = 0; d < 16; ++d) r[d] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + d) * kRows), inv);
-        transpose16(r);
+        kernels::transpose16(r);
         for (int64_t i = 0; i < nrows; ++i)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 + i) * sh.heads * hd + h * hd + d0),
                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[i])));
@@ -524,7 +462,7 @@ void prefill_attention(const T* q, const T* k, const T* v, const int64_t* starts
 #pragma omp parallel num_threads(threads)
     {
 #if defined(APPLIANCE_AMX)
-        if constexpr (sizeof(T) == 2) if (path == kAmx) configure_tiles();
+        if constexpr (sizeof(T) == 2) if (path == kAmx) kernels::configure_tiles({64, 64, 64, 64, 64, 64, 64, 64});
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t sg = 0; sg < seqs * sh.kv_heads; ++sg) {
@@ -586,9 +524,7 @@ int prefill_attention_paths() {
     paths |= 1;
 #endif
 #if defined(APPLIANCE_AMX)
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;    // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-    if (granted) paths |= 2;
+    if (kernels::amx_granted()) paths |= 2;
 #endif
     return paths;
 }

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from appliance.config.compose import load_runtime_config
-from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
+from npu.cpu_kernels import load
+from npu.paged_attention_cpu import PagedDecodeAttention, amx_applies, paged_decode_attention
 from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 
@@ -70,6 +71,45 @@ def test_kernel_equals_attention_over_gathered_pages(dtype, tol, heads, kv_heads
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.isfinite(out).all()                      # the NaN page past every row's length is never read
     assert (out.float() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(8, 2, 64, 16), (12, 2, 64, 32), (16, 2, 128, 32),
+                                                                    (32, 2, 64, 16), (6, 6, 128, 16)])
+def test_the_amx_path_equals_attention_over_gathered_pages(heads, kv_heads, head_dim, block_size):
+    """bf16 on the tile unit (where the CPU has one): the reference's tolerance, as the AVX-512 path; both paths
+    agree to bf16 rounding; NaN in the rows past each row's length (its last page's tail, the padding page) never
+    reaches an output (the tile path computes scores for whole 16-key groups and stages V in key pairs)."""
+    applies, why = amx_applies(load(), torch.bfloat16, heads, kv_heads, head_dim, block_size)
+    if not applies:
+        pytest.skip(f"no AMX decode path here: {why}")
+    query, pool, table, lengths = scattered(torch.bfloat16, heads, kv_heads, head_dim, block_size, seed=2)
+    for r, n in enumerate(LENGTHS):                       # the unwritten rows of each row's last page, K and V
+        last = int(table[r, (n - 1) // block_size])
+        pool[2 * last:2 * last + 2, n % block_size or block_size:] = float("nan")
+    tiles = PagedDecodeAttention(load(), torch.bfloat16, heads, kv_heads, head_dim, block_size, tiles=True)
+    vector = PagedDecodeAttention(load(), torch.bfloat16, heads, kv_heads, head_dim, block_size, tiles=False)
+    out, other = tiles(query, pool, table, lengths), vector(query, pool, table, lengths)
+    want = reference(query, pool, table, lengths, kv_heads)
+    assert torch.isfinite(out).all()
+    assert (out.float() - want).abs().max().item() < 1e-2 * max(1.0, want.abs().max().item())
+    assert (out.float() - other.float()).abs().max().item() < 1.6e-2
+    one, two = (on_threads(n, tiles, query, pool, table, lengths) for n in (1, 2))
+    assert torch.equal(one, two) and torch.equal(two, out)
+
+
+def test_the_amx_path_is_picked_for_bf16_where_it_applies_and_refused_elsewhere():
+    lib = load()
+    op = paged_decode_attention(torch.device("cpu"), torch.bfloat16, 8, 2, 64, 16)
+    assert op is not None and op.tiles == amx_applies(lib, torch.bfloat16, 8, 2, 64, 16)[0]
+    assert not kernel(torch.float32, 8, 2, 64, 16).tiles                      # float32: the AVX-512 kernel
+    for shape, why in (((8, 2, 80, 16), "head_dim 64 or 128"), ((36, 2, 64, 16), "up to 16 query heads"),
+                       ((8, 2, 64, 8), "block_size a multiple of 16")):
+        applies, reason = amx_applies(lib, torch.bfloat16, *shape)
+        assert not applies and (why in reason or "AMX" in reason)
+        assert not kernel(torch.bfloat16, *shape).tiles
+        if "AMX" not in reason:
+            with pytest.raises(ValueError, match=why):
+                PagedDecodeAttention(lib, torch.bfloat16, *shape, tiles=True)
 
 
 def on_threads(threads: int, op, *args) -> torch.Tensor:
