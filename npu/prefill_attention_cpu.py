@@ -1,16 +1,18 @@
-"""Causal attention of prefill chunks that start at position 0, on CPU, by a flash-attention kernel.
+"""Causal attention of prefill chunks on CPU, by a flash-attention kernel: chunks from position 0 over their own
+keys, and chunks after cached tokens (later chunks of long prompts, prefix-cache hits) over their pages in place.
 
-Why: a prefill from position 0 attends only to its own keys, and torch's CPU SDPA (its flash kernel) runs that
-at about 310 GFLOP/s in bfloat16 and 125 in float32 on the Xeon of BENCHMARKS (4 x 512 prompts, 8 heads of 64):
-a quarter of a 4 x 512 bf16 prefill step, and what left the appliance's prefill behind vLLM's (whose CPU
-backend has its own AMX kernel). The kernel (npu/kernels/prefill_attention.cpp) computes the scores and P.V on
-the AMX tile unit in bfloat16 and in AVX-512 register blocks in float32, online softmax in float32 over 32-key
-blocks, all sequences of a call in one task list (16 query rows of one head each, longest first).
+Why: torch's CPU SDPA (its flash kernel) runs causal attention at about 310 GFLOP/s in bfloat16 and 125 in float32
+on the Xeon of BENCHMARKS (4 x 512 prompts, 8 heads of 64): a quarter of a 4 x 512 bf16 prefill step, and what left
+the appliance's prefill behind vLLM's (whose CPU backend has its own AMX kernel); a chunk after cached tokens also
+needed its pages gathered into a dense copy first. The kernel (npu/kernels/prefill_attention.cpp) packs each
+sequence's keys once (from the activations, or from the pages), computes the scores and P.V on the AMX tile unit
+in bfloat16 and in AVX-512 register blocks in float32, online softmax in float32 over 32-key blocks, all
+sequences of a call in one task list (16 query rows of one head each, longest first).
 
 Where it applies (causal_prefill_attention): a CPU runner with the kernels built, in bfloat16 where the CPU has
 AMX and Linux grants it, in float32 where it has AVX-512, head_dim a multiple of 32 (bf16) or 64 (fp32) up to
 256. Anywhere else the runner's SDPA path runs (the kernel's portable path exists for the tests: it is slower
-than SDPA). tests/npu/test_prefill_attention_cpu.py checks every path the CPU has against SDPA.
+than SDPA). tests/npu/test_prefill_attention_cpu.py checks every path the CPU has against float64 attention.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class CausalPrefillAttention:
         if path not in available_paths(lib):
             raise ValueError(f"prefill attention path {path} is not available on this CPU / build")
         self.fn = entry(lib, "causal_prefill_attention", dtype)
+        self.paged_fn = entry(lib, "paged_prefill_attention", dtype)
         self.dtype, self.path = dtype, path
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = ctypes.c_float(head_dim ** -0.5)
@@ -70,6 +73,41 @@ class CausalPrefillAttention:
         self.fn(ptr(q), ptr(k), ptr(v), ptr(starts), ctypes.c_int64(len(lengths)), ptr(out), ptr(scratch),
                 ctypes.c_int64(nh), ctypes.c_int64(kvh), ctypes.c_int64(hd), ctypes.c_int64(q.stride(0)),
                 ctypes.c_int64(k.stride(0)), self.scale, ctypes.c_int(torch.get_num_threads()), ctypes.c_int(self.path))
+        return out
+
+
+    def paged(self, q: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, context: int, length: int,
+              checked: bool = False) -> torch.Tensor:
+        """Chunks after cached tokens: q [count x length, heads x head_dim] row views (each row's elements
+        contiguous), chunk c's rows c x length.. attending to the first `context` tokens of its pages (the chunk's
+        own last, already written to the pool); planes: one layer's pool as [2 x pages, block_size, kv_heads x
+        head_dim] (K plane 2p, V plane 2p + 1); pages [count, width] int64. Returns [count x length, heads,
+        head_dim]. Page ids are range-checked unless the caller did (`checked`: the runner's StepLayout.build)."""
+        count, width = pages.shape
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        block_size = planes.shape[1]
+        if (q.dtype != self.dtype or planes.dtype != self.dtype or pages.dtype != torch.int64
+                or q.shape != (count * length, nh * hd) or q.stride(1) != 1 or not planes.is_contiguous()
+                or planes.shape[2] != kvh * hd or not length <= context <= width * block_size or length < 1):
+            raise ValueError(f"paged prefill attention: q {tuple(q.shape)} {q.dtype}, planes {tuple(planes.shape)} "
+                             f"{planes.dtype}, pages {tuple(pages.shape)} {pages.dtype}, {count} chunks of {length} "
+                             f"rows over {context} tokens do not fit a {self.dtype} kernel of {nh} heads x {hd}, "
+                             f"{kvh} kv heads")
+        if not checked:
+            low, high = (int(v) for v in torch.aminmax(pages[:, :-(-context // block_size)]))
+            if low < 0 or 2 * high + 1 >= planes.shape[0]:
+                raise ValueError(f"paged prefill attention: page ids in [{low}, {high}] for a pool of "
+                                 f"{planes.shape[0] // 2} pages")
+        pages = pages.contiguous()
+        out = torch.empty(count * length, nh, hd, dtype=self.dtype)
+        starts = torch.arange(count + 1, dtype=torch.int64) * length
+        kv_lengths = torch.full((count,), context, dtype=torch.int64)
+        unit = 4 + planes.element_size()                      # packed K (float32 or bf16 pairs) and V rows
+        scratch = torch.empty(count * -(-context // BLOCK) * BLOCK * kvh * hd * unit, dtype=torch.uint8)
+        self.paged_fn(ptr(q), ptr(starts), ptr(planes), ptr(pages), ctypes.c_int64(width), ctypes.c_int64(block_size),
+                      ptr(kv_lengths), ctypes.c_int64(count), ptr(out), ptr(scratch), ctypes.c_int64(nh),
+                      ctypes.c_int64(kvh), ctypes.c_int64(hd), ctypes.c_int64(q.stride(0)), self.scale,
+                      ctypes.c_int(torch.get_num_threads()), ctypes.c_int(self.path))
         return out
 
 

@@ -142,15 +142,42 @@ struct Shape {
     float scale;
 };
 
+// Where a sequence's keys are: rows of the layer's activations (chunks from position 0: their own keys), or the
+// pages of a paged pool (chunks after cached tokens: the pool already holds the chunk's own keys too).
+template <typename T>
+struct Keys {
+    const T* k;                    // activations: K and V rows, `stride` elements apart, sequence s from starts[s]
+    const T* v;
+    const int64_t* starts;
+    const T* pool;                 // or a pool of [2 x pages][block_size][stride] (K plane 2p, V plane 2p + 1)
+    const int64_t* pages;          // [seqs][width] page ids
+    int64_t width, block_size, stride;
+
+    // key t of sequence s: its K (which = 0) or V (1) row, kv head 0
+    const T* row(int64_t s, int64_t t, int which) const {
+        if (pool == nullptr) return (which ? v : k) + (starts[s] + t) * stride;
+        return pool + ((2 * pages[s * width + t / block_size] + which) * block_size + t % block_size) * stride;
+    }
+};
+
 // K of one (sequence, kv head) as float32 [hd][padded len] (keys along rows: 16 keys per vector load).
 template <typename T>
-void pack_k_columns(const T* k, int64_t len, const Shape& sh, float* dst) {
+void pack_k_columns(const Keys<T>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, float* dst) {
     const int64_t lp = padded(len);
-    for (int64_t d = 0; d < sh.hd; ++d) {
-        float* col = dst + d * lp;
-        for (int64_t t = 0; t < len; ++t) col[t] = widen(k[t * sh.kv_stride + d]);
-        for (int64_t t = len; t < lp; ++t) col[t] = 0.0f;
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {              // 16 keys at a time, so the reads stay in a few lines
+        for (int64_t t = t0; t < std::min(t0 + 16, len); ++t) {
+            const T* row = keys.row(s, t, 0) + g * sh.hd;
+            for (int64_t d = 0; d < sh.hd; ++d) dst[d * lp + t] = widen(row[d]);
+        }
+        for (int64_t t = std::max(t0, len); t < t0 + 16; ++t)
+            for (int64_t d = 0; d < sh.hd; ++d) dst[d * lp + t] = 0.0f;
     }
+}
+
+// V of one (sequence, kv head) copied to contiguous rows [len][hd] (the paged case: the vector paths read V by rows).
+template <typename T>
+void pack_v_rows(const Keys<T>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, T* dst) {
+    for (int64_t t = 0; t < len; ++t) std::memcpy(dst + t * sh.hd, keys.row(s, t, 1) + g * sh.hd, sh.hd * sizeof(T));
 }
 
 // The output rows of one task: accumulator / sum, narrowed into out.
@@ -164,17 +191,18 @@ inline void write_rows(T* out, const float* o, const float* l, int64_t nrows, in
     }
 }
 
-// One task on plain loops: query rows q0..q0+nrows of head h; kt is the kv head's packed K, v its V rows.
+// One task on plain loops: query rows q0..q0+nrows of head h, at positions shift + q0..; kt is the kv head's
+// packed K, v its V rows (v_stride elements apart).
 template <typename T>
-void task_portable(const T* q, const float* kt, const T* v, int64_t lp, int64_t q0, int64_t nrows, int64_t h,
-                   const Shape& sh, T* out) {
+void task_portable(const T* q, const float* kt, const T* v, int64_t v_stride, int64_t lp, int64_t shift, int64_t q0,
+                   int64_t nrows, int64_t h, const Shape& sh, T* out) {
     float qf[kRows * kMaxHead], o[kRows * kMaxHead], s[kRows * kBlock], m[kRows], l[kRows], alpha[kRows];
     for (int64_t i = 0; i < nrows; ++i)
         for (int64_t d = 0; d < sh.hd; ++d) qf[i * sh.hd + d] = widen(q[(q0 + i) * sh.q_stride + h * sh.hd + d]);
     std::fill(o, o + kRows * sh.hd, 0.0f);
     std::fill(m, m + kRows, kNone);
     std::fill(l, l + kRows, 0.0f);
-    const int64_t last = q0 + nrows - 1;
+    const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
     for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
         for (int64_t i = 0; i < nrows; ++i) {
             float* row = s + i * kBlock;
@@ -186,7 +214,7 @@ void task_portable(const T* q, const float* kt, const T* v, int64_t lp, int64_t 
                 for (int64_t j = 0; j < kBlock; ++j) row[j] += qd * kd[j];
             }
         }
-        online_softmax(s, nrows, q0, t0, sh.scale, m, l, alpha);
+        online_softmax(s, nrows, pos0, t0, sh.scale, m, l, alpha);
         const int64_t upto = std::min<int64_t>(kBlock, last - t0 + 1);
         for (int64_t i = 0; i < nrows; ++i) {
             float* oi = o + i * sh.hd;
@@ -194,7 +222,7 @@ void task_portable(const T* q, const float* kt, const T* v, int64_t lp, int64_t 
             for (int64_t d = 0; d < sh.hd; ++d) oi[d] *= alpha[i];
             for (int64_t j = 0; j < upto; ++j) {
                 const float p = s[i * kBlock + j];
-                const T* vj = v + (t0 + j) * sh.kv_stride;
+                const T* vj = v + (t0 + j) * v_stride;
 #pragma omp simd
                 for (int64_t d = 0; d < sh.hd; ++d) oi[d] += p * widen(vj[d]);
             }
@@ -205,8 +233,8 @@ void task_portable(const T* q, const float* kt, const T* v, int64_t lp, int64_t 
 
 #if defined(__AVX512F__)
 // The float32 task with AVX-512 register blocks; head_dim % 64 == 0.
-void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, int64_t q0, int64_t nrows, int64_t h,
-                 const Shape& sh, float* out) {
+void task_avx512(const float* q, const float* kt, const float* v, int64_t v_stride, int64_t lp, int64_t shift,
+                 int64_t q0, int64_t nrows, int64_t h, const Shape& sh, float* out) {
     alignas(64) float qf[kRows * kMaxHead], o[kRows * kMaxHead], s[kRows * kBlock];
     float m[kRows], l[kRows], alpha[kRows];
     const int64_t hd = sh.hd;
@@ -217,7 +245,7 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, in
     std::fill(o, o + kRows * hd, 0.0f);
     std::fill(m, m + kRows, kNone);
     std::fill(l, l + kRows, 0.0f);
-    const int64_t last = q0 + nrows - 1;
+    const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
     const int64_t row_groups = (nrows + 3) / 4;
     for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
         for (int64_t g = 0; g < row_groups; ++g) {          // scores: 4 rows x 32 keys in 8 registers
@@ -241,7 +269,7 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, in
             _mm512_store_ps(sg + 64, a20); _mm512_store_ps(sg + 80, a21);
             _mm512_store_ps(sg + 96, a30); _mm512_store_ps(sg + 112, a31);
         }
-        online_softmax_avx512(s, nrows, q0, t0, sh.scale, m, l, alpha, nullptr);
+        online_softmax_avx512(s, nrows, pos0, t0, sh.scale, m, l, alpha, nullptr);
         const int64_t upto = std::min<int64_t>(kBlock, last - t0 + 1);
         for (int64_t g = 0; g < row_groups; ++g) {          // P.V: 4 rows x 64 columns in 16 registers
             const float* pg = s + g * 4 * kBlock;
@@ -253,7 +281,7 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, in
                     for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_mul_ps(f, _mm512_load_ps(og + r * hd + 16 * u));
                 }
                 for (int64_t j = 0; j < upto; ++j) {
-                    const float* vj = v + (t0 + j) * sh.kv_stride + c;
+                    const float* vj = v + (t0 + j) * v_stride + c;
                     const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16),
                                  v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
                     for (int r = 0; r < 4; ++r) {
@@ -277,15 +305,15 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t lp, in
 // K of one (sequence, kv head) as rows ([padded len][hd]: the A operand of K.Q^T) and V transposed per 32-key
 // block ([padded len / 32][hd][32]: a block's A operands of V^T.P^T, contiguous), both bfloat16; padding keys
 // are zeros.
-void pack_rows_and_columns(const uint16_t* k, const uint16_t* v, int64_t len, const Shape& sh, uint16_t* kr,
-                           uint16_t* vt) {
+void pack_rows_and_columns(const Keys<uint16_t>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh,
+                           uint16_t* kr, uint16_t* vt) {
     const int64_t lp = padded(len), hd = sh.hd;
-    for (int64_t t = 0; t < len; ++t) std::memcpy(kr + t * hd, k + t * sh.kv_stride, hd * sizeof(uint16_t));
+    for (int64_t t = 0; t < len; ++t) std::memcpy(kr + t * hd, keys.row(s, t, 0) + g * hd, hd * sizeof(uint16_t));
     std::memset(kr + len * hd, 0, (lp - len) * hd * sizeof(uint16_t));
     for (int64_t t0 = 0; t0 < lp; t0 += kBlock) {
         uint16_t* block = vt + t0 * hd;
         for (int64_t t = 0; t < kBlock; ++t) {
-            const uint16_t* row = v + (t0 + t) * sh.kv_stride;
+            const uint16_t* row = t0 + t < len ? keys.row(s, t0 + t, 1) + g * hd : nullptr;
             if (t0 + t < len) for (int64_t d = 0; d < hd; ++d) block[d * kBlock + t] = row[d];
             else for (int64_t d = 0; d < hd; ++d) block[d * kBlock + t] = 0;
         }
@@ -300,8 +328,8 @@ constexpr float kRegrow = 8.0f;   // log2 units: the running max is raised only 
 // 2, B = Q^T in VNNI pairs in 3), the online softmax on 32 vectors (exp2 with the scale folded in), P^T in VNNI
 // pairs (tile 3), then O^T += V^T.P^T (A = V^T in 2). With head_dim 64, O^T stays in tiles 4-7 across blocks and
 // is stored only when the running max moves by more than kRegrow; other head sizes accumulate in memory.
-void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t q0, int64_t nrows, int64_t h,
-              const Shape& sh, uint16_t* out) {
+void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t shift, int64_t q0, int64_t nrows,
+              int64_t h, const Shape& sh, uint16_t* out) {
     alignas(64) uint16_t qt[kMaxHead * kRows], pt[kBlock * kRows];
     alignas(64) float sts[2 * kBlock * kRows], pv[32 * kRows], ot[kMaxHead * kRows];
     const int64_t hd = sh.hd;
@@ -339,7 +367,7 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
             _tile_dpbf16ps(1, 2, 3);
         }
     };
-    const int64_t last = q0 + nrows - 1;
+    const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
     scores(0);
     _tile_stored(0, sts, 64);
     _tile_stored(1, sts + 16 * kRows, 64);
@@ -347,14 +375,14 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
         float* const st = sts + (t0 / kBlock % 2) * kBlock * kRows;
         const bool more = t0 + kBlock <= last;
         if (more) scores(t0 + kBlock);
-        // key t0 + j is seen by rows i >= t0 + j - q0 (and i < nrows): only the last blocks need the mask
+        // key t0 + j is seen by rows i >= t0 + j - pos0 (and i < nrows): only the last blocks need the mask
         const int64_t keys = std::min<int64_t>(kBlock, last - t0 + 1);
-        const bool masked = t0 + kBlock - 1 > q0 || nrows < kRows;
+        const bool masked = t0 + kBlock - 1 > pos0 || nrows < kRows;
         __m512 top = m;
         for (int64_t j = 0; j < kBlock; ++j) {
             __m512 x = _mm512_load_ps(st + j * kRows);
             if (masked) {
-                const int64_t from = t0 + j - q0;
+                const int64_t from = t0 + j - pos0;
                 const __mmask16 seen = j >= keys ? 0 : from <= 0 ? live : static_cast<__mmask16>(live & ~((1u << from) - 1));
                 x = _mm512_mask_mov_ps(none, seen, x);
                 _mm512_store_ps(st + j * kRows, x);
@@ -441,23 +469,29 @@ void task_amx(const uint16_t* q, const uint16_t* kr, const uint16_t* vt, int64_t
 }
 #endif
 
+// q rows of sequence s: starts[s] .. starts[s + 1]; its keys: `keys` (kv_lengths[s] of them, or as many as its
+// rows when kv_lengths is null); the rows are the sequence's last positions (shift = keys - rows).
 template <typename T>
-void prefill_attention(const T* q, const T* k, const T* v, const int64_t* starts, int64_t seqs, T* out,
-                       void* scratch, const Shape& sh, int threads, int path) {
+void prefill_attention(const T* q, const Keys<T>& keys, const int64_t* starts, const int64_t* kv_lengths, int64_t seqs,
+                       T* out, void* scratch, const Shape& sh, int threads, int path) {
     const int64_t group = sh.heads / sh.kv_heads;
-    std::vector<int64_t> packed(seqs + 1, 0);              // each sequence's offset in scratch, x kv_heads x hd x 4 B
-    struct Task { int64_t seq, first; };
+    const bool paged = keys.pool != nullptr;
+    // each (sequence, kv head)'s scratch: packed K (4 x padded keys x hd bytes), and in the paged case V rows too
+    const int64_t unit = paged ? 4 + static_cast<int64_t>(sizeof(T)) : 4;
+    auto kv_len = [&](int64_t s) { return kv_lengths ? kv_lengths[s] : starts[s + 1] - starts[s]; };
+    std::vector<int64_t> packed(seqs + 1, 0);              // each sequence's offset in scratch, x kv_heads x hd x unit B
+    struct Task { int64_t seq, first, cost; };
     std::vector<Task> tasks;
     for (int64_t s = 0; s < seqs; ++s) {
-        const int64_t len = starts[s + 1] - starts[s];
-        packed[s + 1] = packed[s] + padded(len);
-        for (int64_t first = 0; first < len; first += kRows) tasks.push_back({s, first});
+        const int64_t rows = starts[s + 1] - starts[s], shift = kv_len(s) - rows;
+        packed[s + 1] = packed[s] + padded(kv_len(s));
+        for (int64_t first = 0; first < rows; first += kRows) tasks.push_back({s, first, shift + first});
     }
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.first > b.first; });
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
     const int64_t ntasks = static_cast<int64_t>(tasks.size()) * sh.heads;
     char* const base = static_cast<char*>(scratch);
-    auto region = [&](int64_t s, int64_t g) {              // 4 x padded len x hd bytes per (sequence, kv head)
-        return base + (packed[s] * sh.kv_heads + g * (packed[s + 1] - packed[s])) * sh.hd * 4;
+    auto region = [&](int64_t s, int64_t g) {
+        return base + (packed[s] * sh.kv_heads + g * (packed[s + 1] - packed[s])) * sh.hd * unit;
     };
 #pragma omp parallel num_threads(threads)
     {
@@ -466,51 +500,74 @@ void prefill_attention(const T* q, const T* k, const T* v, const int64_t* starts
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t sg = 0; sg < seqs * sh.kv_heads; ++sg) {
-            const int64_t s = sg / sh.kv_heads, g = sg % sh.kv_heads, len = starts[s + 1] - starts[s];
-            const T* ks = k + starts[s] * sh.kv_stride + g * sh.hd;
+            const int64_t s = sg / sh.kv_heads, g = sg % sh.kv_heads, len = kv_len(s), lp = padded(len);
 #if defined(APPLIANCE_AMX)
             if constexpr (sizeof(T) == 2) {
                 if (path == kAmx) {
                     uint16_t* kp = reinterpret_cast<uint16_t*>(region(s, g));
-                    pack_rows_and_columns(ks, v + starts[s] * sh.kv_stride + g * sh.hd, len, sh, kp, kp + padded(len) * sh.hd);
+                    pack_rows_and_columns(keys, s, g, len, sh, kp, kp + lp * sh.hd);
                     continue;
                 }
             }
 #endif
-            pack_k_columns(ks, len, sh, reinterpret_cast<float*>(region(s, g)));
+            pack_k_columns(keys, s, g, len, sh, reinterpret_cast<float*>(region(s, g)));
+            if (paged) pack_v_rows(keys, s, g, len, sh, reinterpret_cast<T*>(region(s, g) + lp * sh.hd * 4));
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < ntasks; ++n) {
             const Task& task = tasks[n / sh.heads];
             const int64_t h = n % sh.heads, g = h / group, s = task.seq;
-            const int64_t len = starts[s + 1] - starts[s], lp = padded(len), nrows = std::min(kRows, len - task.first);
+            const int64_t rows = starts[s + 1] - starts[s], len = kv_len(s), lp = padded(len), shift = len - rows;
+            const int64_t nrows = std::min(kRows, rows - task.first);
             const T* qs = q + starts[s] * sh.q_stride;
-            const T* vs = v + starts[s] * sh.kv_stride + g * sh.hd;
             T* os = out + starts[s] * sh.heads * sh.hd;
 #if defined(APPLIANCE_AMX)
             if constexpr (sizeof(T) == 2) {
                 if (path == kAmx) {
                     const uint16_t* kp = reinterpret_cast<const uint16_t*>(region(s, g));
-                    task_amx(qs, kp, kp + lp * sh.hd, task.first, nrows, h, sh, os);
+                    task_amx(qs, kp, kp + lp * sh.hd, shift, task.first, nrows, h, sh, os);
                     continue;
                 }
             }
 #endif
             const float* kt = reinterpret_cast<const float*>(region(s, g));
+            const T* vs = paged ? reinterpret_cast<const T*>(region(s, g) + lp * sh.hd * 4) : keys.row(s, 0, 1) + g * sh.hd;
+            const int64_t v_stride = paged ? sh.hd : keys.stride;
 #if defined(__AVX512F__)
             if constexpr (sizeof(T) == 4) {
                 if (path == kAvx512) {
-                    task_avx512(qs, kt, vs, lp, task.first, nrows, h, sh, os);
+                    task_avx512(qs, kt, vs, v_stride, lp, shift, task.first, nrows, h, sh, os);
                     continue;
                 }
             }
 #endif
-            task_portable(qs, kt, vs, lp, task.first, nrows, h, sh, os);
+            task_portable(qs, kt, vs, v_stride, lp, shift, task.first, nrows, h, sh, os);
         }
 #if defined(APPLIANCE_AMX)
         if constexpr (sizeof(T) == 2) if (path == kAmx) _tile_release();
 #endif
     }
+}
+
+// Chunks from position 0: q, k, v rows of the layer's activations (q_stride / kv_stride elements apart).
+template <typename T>
+void own_keys(const T* q, const T* k, const T* v, const int64_t* starts, int64_t seqs, T* out, void* scratch,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale,
+              int threads, int path) {
+    const Keys<T> keys{k, v, starts, nullptr, nullptr, 0, 0, kv_stride};
+    prefill_attention(q, keys, starts, nullptr, seqs, out, scratch,
+                      Shape{heads, kv_heads, head_dim, q_stride, kv_stride, scale}, threads, path);
+}
+
+// Chunks after cached tokens: keys from the pool's pages ([seqs][width] ids, kv_lengths[s] keys each, the chunk's
+// own included: the runner writes them before attending).
+template <typename T>
+void paged_keys(const T* q, const int64_t* starts, const T* pool, const int64_t* pages, int64_t width,
+                int64_t block_size, const int64_t* kv_lengths, int64_t seqs, T* out, void* scratch, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, int64_t q_stride, float scale, int threads, int path) {
+    const Keys<T> keys{nullptr, nullptr, nullptr, pool, pages, width, block_size, kv_heads * head_dim};
+    prefill_attention(q, keys, starts, kv_lengths, seqs, out, scratch,
+                      Shape{heads, kv_heads, head_dim, q_stride, kv_heads * head_dim, scale}, threads, path);
 }
 
 }  // namespace
@@ -532,15 +589,29 @@ int prefill_attention_paths() {
 void causal_prefill_attention_f32(const float* q, const float* k, const float* v, const int64_t* starts, int64_t seqs,
                                   float* out, void* scratch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                   int64_t q_stride, int64_t kv_stride, float scale, int threads, int path) {
-    prefill_attention(q, k, v, starts, seqs, out, scratch, Shape{heads, kv_heads, head_dim, q_stride, kv_stride, scale},
-                      threads, path);
+    own_keys(q, k, v, starts, seqs, out, scratch, heads, kv_heads, head_dim, q_stride, kv_stride, scale, threads, path);
 }
 
 void causal_prefill_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* starts,
                                    int64_t seqs, uint16_t* out, void* scratch, int64_t heads, int64_t kv_heads,
                                    int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale, int threads,
                                    int path) {
-    prefill_attention(q, k, v, starts, seqs, out, scratch, Shape{heads, kv_heads, head_dim, q_stride, kv_stride, scale},
-                      threads, path);
+    own_keys(q, k, v, starts, seqs, out, scratch, heads, kv_heads, head_dim, q_stride, kv_stride, scale, threads, path);
+}
+
+void paged_prefill_attention_f32(const float* q, const int64_t* starts, const float* pool, const int64_t* pages,
+                                 int64_t width, int64_t block_size, const int64_t* kv_lengths, int64_t seqs, float* out,
+                                 void* scratch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t q_stride,
+                                 float scale, int threads, int path) {
+    paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
+               q_stride, scale, threads, path);
+}
+
+void paged_prefill_attention_bf16(const uint16_t* q, const int64_t* starts, const uint16_t* pool,
+                                  const int64_t* pages, int64_t width, int64_t block_size, const int64_t* kv_lengths,
+                                  int64_t seqs, uint16_t* out, void* scratch, int64_t heads, int64_t kv_heads,
+                                  int64_t head_dim, int64_t q_stride, float scale, int threads, int path) {
+    paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
+               q_stride, scale, threads, path);
 }
 }

@@ -99,7 +99,7 @@ class Qwen3Runner(ModelRunner):
         if self.fused_attention is None:
             self.paged_decode = (paged_decode_attention if self.device.type == "cpu" else triton_decode_attention)(
                 self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-        # Prefill chunks from position 0 (their own keys are the context): the CPU flash kernel where it beats SDPA.
+        # Prefill chunks (from position 0, and after cached tokens): the CPU flash kernel where it beats SDPA.
         self.prefill_attention: CausalPrefillAttention | None = causal_prefill_attention(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
         self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
@@ -323,13 +323,18 @@ class Qwen3Runner(ModelRunner):
             # reshape, not view: the output's memory layout is the kernel's choice (CUDA's fused kernels return
             # [count, group, kvh, hd] memory seen as [count, kvh, group, hd])
             parts.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask).reshape(d.count, nh, hd))
+        kernel = self.prefill_attention
         for p in meta.prefills:
-            if p.planes is None and self.prefill_attention is not None:    # the kernel reads q, k, v in place
-                rows = qkv[p.first:p.first + p.count * p.length]
-                parts.append(self.prefill_attention(rows[:, :nh * hd], rows[:, nh * hd:(nh + kvh) * hd],
-                                                    rows[:, (nh + kvh) * hd:], [p.length] * p.count))
+            rows = qkv[p.first:p.first + p.count * p.length]
+            if kernel is not None and p.planes is None:       # the CPU kernel reads q, k and v in place
+                parts.append(kernel(rows[:, :nh * hd], rows[:, nh * hd:(nh + kvh) * hd], rows[:, (nh + kvh) * hd:],
+                                    [p.length] * p.count))
                 continue
-            chunk = qkv[p.first:p.first + p.count * p.length].view(p.count, p.length, nh + 2 * kvh, hd)
+            if kernel is not None and p.pages is not None and pool.dtype == self.dtype:   # and the pages in place
+                parts.append(kernel.paged(rows[:, :nh * hd], self._planes(pool, li), p.pages, p.ctx, p.length,
+                                          checked=True))          # page ids range-checked in StepLayout.build
+                continue
+            chunk = rows.view(p.count, p.length, nh + 2 * kvh, hd)
             qp = chunk[:, :, :nh].transpose(1, 2)      # [count, nh, len, hd]
             if p.planes is None:                       # from position 0: the chunks' own K/V are the context
                 kp, vp = chunk[:, :, nh:].view(p.count, p.length, 2, kvh, hd).permute(2, 0, 3, 1, 4)

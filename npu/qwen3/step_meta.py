@@ -25,6 +25,7 @@ class Prefill:
     planes: torch.Tensor | None = None  # cached chunks: K planes of the pages covering their contexts, then V planes
     ctx: int = 0                        # cached chunks: tokens in each context, the chunk included
     mask: torch.Tensor | None = None    # cached chunks: [length, ctx] bool offset-causal mask (True = attend)
+    pages: torch.Tensor | None = None   # cached chunks: [count, pages per context] page ids (the CPU prefill kernel)
 
 
 @dataclass
@@ -99,9 +100,11 @@ class StepMeta:
                 prev.count += 1                         # the same start and length: pages gathered together
                 group = at - (prev.count - 1) * used    # where the first chunk's pages start
                 prev.planes = planes[:, group:at + used].reshape(-1)
+                prev.pages = t_pages[group:at + used].view(prev.count, used)
             elif start > 0:
                 mask = causal_mask(arange(end), t_pos[first:first + length])
-                prefills.append(Prefill(first, 1, length, planes[:, at:at + used].reshape(-1), end, mask))
+                prefills.append(Prefill(first, 1, length, planes[:, at:at + used].reshape(-1), end, mask,
+                                        t_pages[at:at + used].view(1, used)))
             elif prefills and prefills[-1].planes is None and prefills[-1].length == length:
                 prefills[-1].count += 1
             else:

@@ -204,3 +204,34 @@ def test_the_cpu_runner_sends_decode_rows_to_the_kernel_and_matches_its_sdpa_pat
     assert calls == [((3, 3), 41)] * layers               # one call per layer for the three decode rows; the
                                                           # longest context (40 cached + 1) is passed as checked
     assert (results[0] - results[1]).abs().max().item() < 1e-5
+
+
+def test_the_bf16_runner_on_amx_tiles_matches_its_avx512_decode():
+    """The tile path inside a bf16 model step, between oneDNN's projections (which use the same tile unit with
+    configurations of their own): decode logits within bf16 rounding of the AVX-512 path's, step after step."""
+    rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256",
+                              "model.layout.dtype=bfloat16", "model.cache_groups.0.row.dtype=bfloat16"])
+    runner = Qwen3Runner(rc.model, "cpu")
+    if runner.paged_decode is None or not runner.paged_decode.tiles:
+        pytest.skip("no AMX decode path here")
+    runner.load_weights()
+    tiles = runner.paged_decode
+    vector = PagedDecodeAttention(load(), torch.bfloat16, 4, 2, 64, runner.block_size, tiles=False)
+    rng = random.Random(3)
+    outputs = []
+    for op in (tiles, vector):
+        runner.paged_decode = op
+        runner.allocate_pools({"kv": 16}, 1)
+        prompts = {"a": [rng.randrange(3, 500) for _ in range(40)], "b": [rng.randrange(3, 500) for _ in range(9)]}
+        tables = {"a": {"kv": [0, 1, 2, 3]}, "b": {"kv": [4]}}
+        runner.execute(StepBatch([SeqStep(n, t, 0, tables[n], sample=False) for n, t in prompts.items()],
+                                 new_pages={"kv": [0, 1, 2, 3, 4]}))
+        logits = []
+        for step in range(6):
+            logits.append(runner.execute(StepBatch([SeqStep(n, [7 + step], len(t) + step, tables[n])
+                                                    for n, t in prompts.items()])).float())
+        outputs.append(torch.stack(logits))
+        runner.free_pools()
+        rng = random.Random(3)
+    assert torch.isfinite(outputs[0]).all()
+    assert (outputs[0] - outputs[1]).abs().max().item() < 0.1

@@ -1,8 +1,9 @@
 """The CPU causal prefill-attention kernel (npu.prefill_attention_cpu): every path this CPU has (the portable
 loops always; AVX-512 float32 and AMX bfloat16 where the CPU has them) against float64 attention, at the tile and
-block edges, with the running max raised late in a sequence, independent of the thread count and of the other
-sequences of a call, its arguments checked, and used by the Qwen3 runner for chunks from position 0 (the
-transformers oracle, test_qwen3_oracle.py, runs it too). Building and the fallback: test_cpu_kernels.py."""
+block edges, with the running max raised late in a sequence, for chunks after cached tokens reading a pool's pages
+(NaN wherever they must not read), independent of the thread count and of the other sequences of a call, its
+arguments checked, and used by the Qwen3 runner for both kinds of chunk (the transformers oracle,
+test_qwen3_oracle.py, runs it too). Building and the fallback: test_cpu_kernels.py."""
 
 import random
 import shutil
@@ -104,6 +105,72 @@ def test_a_max_that_keeps_rising_and_large_scores(dtype, path):
     assert error(out, want) <= 1.5 * error(sdpa, want) + (1e-6 if dtype == torch.float32 else 1e-3)
 
 
+def paged_case(dtype, heads, kv_heads, head_dim, block_size, count, context, length, seed=0):
+    """count chunks of `length` rows at the end of `context`-token contexts, each over its own shuffled pages of a
+    pool whose other rows (the pages' unwritten tails, the pages nobody owns) are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-context // block_size)
+    npages = count * width + 3
+    pool = torch.full((2 * npages, block_size, kv_heads * head_dim), float("nan"))
+    pages = torch.randperm(npages, generator=g)[:count * width].view(count, width)
+    keys = torch.randn(count, 2, context, kv_heads * head_dim, generator=g)
+    for c in range(count):
+        for t in range(context):
+            p = int(pages[c, t // block_size])
+            pool[2 * p, t % block_size], pool[2 * p + 1, t % block_size] = keys[c, 0, t], keys[c, 1, t]
+    q = torch.randn(count * length, heads * head_dim, generator=g)
+    return q.to(dtype), pool.to(dtype), pages, keys.to(dtype)
+
+
+def paged_reference(q, keys, heads, kv_heads, head_dim, length, dtype=torch.float64):
+    """Each chunk's rows (positions context - length ..) over its context, offset-causal, by SDPA in `dtype`."""
+    count, _, context, _ = keys.shape
+    mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
+    outs = []
+    for c in range(count):
+        qc = q[c * length:(c + 1) * length].to(dtype).view(length, heads, head_dim).transpose(0, 1)[None]
+        k, v = (keys[c, i].to(dtype).view(context, kv_heads, head_dim).transpose(0, 1)[None] for i in (0, 1))
+        outs.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("count, context, length, block_size", [(3, 50, 17, 16), (2, 300, 64, 32), (1, 33, 2, 16),
+                                                                (4, 100, 100, 16)])
+@pytest.mark.parametrize("dtype, path", path_params())
+def test_chunks_after_cached_tokens_read_the_pages(dtype, path, count, context, length, block_size):
+    """The paged entry: each chunk's rows at the end of its context, keys from the pool's pages (NaN everywhere
+    else in the pool: nothing past a context or outside its pages is read), against float64 attention; a chunk
+    that is its whole context (4 x 100 of 100) equals the activations entry's result."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    q, pool, pages, keys = paged_case(dtype, heads, kv_heads, head_dim, block_size, count, context, length)
+    op = CausalPrefillAttention(load(), dtype, heads, kv_heads, head_dim, path)
+    out = op.paged(q, pool, pages, context, length)
+    want = paged_reference(q, keys, heads, kv_heads, head_dim, length)
+    assert out.shape == (count * length, heads, head_dim) and torch.isfinite(out).all()
+    if dtype == torch.float32:
+        assert error(out, want) < 2e-6
+    else:
+        sdpa = paged_reference(q, keys, heads, kv_heads, head_dim, length, torch.bfloat16)
+        assert error(out, want) <= 1.5 * error(sdpa, want) + 1e-3
+    if length == context:
+        qkv = torch.cat([q.view(count, length, -1), keys.transpose(1, 2).reshape(count, context, -1)], -1)
+        own = op(*views(qkv.reshape(count * length, -1), heads, kv_heads, head_dim), [length] * count)
+        assert torch.equal(own, out)
+
+
+def test_paged_arguments_that_do_not_fit_are_a_clear_error():
+    op = CausalPrefillAttention(load(), torch.float32, 8, 2, 64, PORTABLE)
+    q, pool, pages, _ = paged_case(torch.float32, 8, 2, 64, 16, 2, 40, 8)
+    with pytest.raises(ValueError, match="2 chunks of 8 rows over 49 tokens do not fit"):
+        op.paged(q, pool, pages, 49, 8)                           # more tokens than 3 pages of 16 hold
+    with pytest.raises(ValueError, match="do not fit"):
+        op.paged(q, pool, pages.int(), 40, 8)
+    outside = pages.clone()
+    outside[1, 0] = pool.shape[0] // 2
+    with pytest.raises(ValueError, match=r"page ids in \[\d+, \d+\] for a pool of \d+ pages"):
+        op.paged(q, pool, outside, 40, 8)
+
+
 def on_threads(threads: int, op, *args) -> torch.Tensor:
     before = torch.get_num_threads()
     try:
@@ -156,16 +223,20 @@ def test_the_fast_path_is_chosen_by_dtype_head_size_and_cpu():
     assert causal_prefill_attention(torch.device("meta"), torch.float32, 8, 2, 64) is None   # CPU runners only
 
 
-def chunked_prefills(rng: random.Random) -> StepBatch:
-    """A step of three chunks from position 0, two of one length (one group for the runner)."""
-    return StepBatch([SeqStep("a", [rng.randrange(3, 500) for _ in range(37)], 0, {"kv": [0, 1, 2]}),
-                      SeqStep("b", [rng.randrange(3, 500) for _ in range(37)], 0, {"kv": [3, 4, 5]}),
-                      SeqStep("c", [rng.randrange(3, 500) for _ in range(20)], 0, {"kv": [6, 7]})],
-                     new_pages={"kv": list(range(8))})
+def chunked_prefills(rng: random.Random) -> list[StepBatch]:
+    """Two steps: three chunks from position 0 (two of one length: one group for the runner), then the next chunks
+    of "a" and "b" after their 37 cached tokens (one group: same start and length) and a first chunk of "d"."""
+    def ids(n):
+        return [rng.randrange(3, 500) for _ in range(n)]
+    first = StepBatch([SeqStep("a", ids(37), 0, {"kv": [0, 1, 2]}), SeqStep("b", ids(37), 0, {"kv": [3, 4, 5]}),
+                       SeqStep("c", ids(20), 0, {"kv": [6, 7]})], new_pages={"kv": list(range(8))})
+    second = StepBatch([SeqStep("a", ids(21), 37, {"kv": [0, 1, 2, 8]}), SeqStep("b", ids(21), 37, {"kv": [3, 4, 5, 9]}),
+                        SeqStep("d", ids(5), 0, {"kv": [10]})], new_pages={"kv": [8, 9, 10]})
+    return [first, second]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_runner_sends_chunks_from_position_0_to_the_kernel_and_matches_sdpa(dtype):
+def test_the_cpu_runner_sends_prefill_chunks_to_the_kernel_and_matches_sdpa(dtype):
     name = str(dtype).split(".")[1]
     rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256",
                               f"model.layout.dtype={name}", f"model.cache_groups.0.row.dtype={name}"])
@@ -179,16 +250,24 @@ def test_the_cpu_runner_sends_chunks_from_position_0_to_the_kernel_and_matches_s
     calls = []
     op = runner.prefill_attention
 
-    def counted(q, k, v, lengths):
-        calls.append(list(lengths))
-        return op(q, k, v, lengths)
+    class Counted:
+        def __call__(self, q, k, v, lengths):
+            calls.append(("own", list(lengths)))
+            return op(q, k, v, lengths)
+
+        def paged(self, q, planes, pages, context, length, checked=False):
+            calls.append(("paged", tuple(pages.shape), context, length))
+            return op.paged(q, planes, pages, context, length, checked)
 
     results = []
-    for kernel in (counted, None):
+    for kernel in (Counted(), None):
         runner.prefill_attention = kernel
         runner.allocate_pools({"kv": 16}, 1)
-        results.append(runner.execute(chunked_prefills(random.Random(2))).float())
+        results.append([runner.execute(step).float() for step in chunked_prefills(random.Random(2))])
         runner.free_pools()
-    assert calls == [[20], [37, 37]] * rc.model.layout.num_layers    # per layer: one call per group of lengths
+    layers = rc.model.layout.num_layers
+    assert calls == ([("own", [20]), ("own", [37, 37])] * layers       # per layer: one call per group
+                     + [("own", [5]), ("paged", (2, 4), 58, 21)] * layers)
     tol = 1e-5 if dtype == torch.float32 else 0.1                    # bf16: logits of ~1, rounded per layer
-    assert (results[0] - results[1]).abs().max().item() < tol
+    for kernel_logits, sdpa_logits in zip(*results):
+        assert (kernel_logits - sdpa_logits).abs().max().item() < tol
