@@ -24,8 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from npu.cpu_kernels import load  # noqa: E402
-from npu.prefill_attention_cpu import (PORTABLE, CausalPrefillAttention, available_paths,  # noqa: E402
-                                       fast_path)
+from npu.prefill_attention_cpu import PORTABLE, CausalPrefillAttention, available_paths, fast_path  # noqa: E402
 
 CASES = ((4, 512, 8, 2, 64), (16, 128, 8, 2, 64), (4, 512, 12, 2, 64), (16, 128, 12, 2, 64), (4, 512, 32, 8, 128))
 

@@ -39,8 +39,8 @@ from npu.fused_norms import layer_norms
 from npu.graphs import DecodeGraphs, batch_buckets
 from npu.linear import Projection
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
-from npu.prefill_attention_cpu import CausalPrefillAttention, causal_prefill_attention
 from npu.paged_attention_triton import TritonDecodeAttention, triton_decode_attention
+from npu.prefill_attention_cpu import CausalPrefillAttention, causal_prefill_attention
 from npu.qwen3.graph_step import GraphStep, StaticDecode, decode_only
 from npu.qwen3.step_layout import StepLayout
 from npu.qwen3.step_meta import Decode, StepMeta

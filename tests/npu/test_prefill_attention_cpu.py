@@ -14,8 +14,15 @@ import torch.nn.functional as F
 
 from appliance.config.compose import load_runtime_config
 from npu.cpu_kernels import load
-from npu.prefill_attention_cpu import (AMX, AVX512, PORTABLE, CausalPrefillAttention, available_paths,
-                                       causal_prefill_attention, fast_path)
+from npu.prefill_attention_cpu import (
+    AMX,
+    AVX512,
+    PORTABLE,
+    CausalPrefillAttention,
+    available_paths,
+    causal_prefill_attention,
+    fast_path,
+)
 from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
 
