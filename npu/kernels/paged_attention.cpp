@@ -170,6 +170,9 @@ void decode_attention_amx(const uint16_t* query, const uint16_t* pool, const int
     const int64_t padded_len = (max_len + 31) / 32 * 32;
     const bool resident = hd == 64;
     if (rows * kv_heads < threads) threads = static_cast<int>(std::max<int64_t>(1, rows * kv_heads));
+    // a row's kv heads on one thread, one after another: their K and V share the token rows' cache lines, which
+    // the hardware prefetchers fetch together
+    const int64_t kv_chunk = rows >= threads ? kv_heads : 1;
 #pragma omp parallel num_threads(threads)
     {
         kernels::configure_tiles({64, 64, 64, 64, 64, 64, 64, 64});
@@ -184,7 +187,7 @@ void decode_attention_amx(const uint16_t* query, const uint16_t* pool, const int
         const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                              37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, kv_chunk)
         for (int64_t task = 0; task < rows * kv_heads; ++task) {
             const int64_t r = task / kv_heads, g = task % kv_heads, len = lengths[r];
             const int64_t* table = pages + r * width;
