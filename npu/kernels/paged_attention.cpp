@@ -10,6 +10,8 @@
 // head i / (heads / kv_heads)). Tasks are split over the caller's OpenMP threads
 // (the libgomp torch has loaded, so one thread pool); each thread keeps its scores, heads x max_len floats,
 // in the caller's `scratch` ([threads, heads x max_len], a torch tensor, so the startup profile counts it).
+// In bfloat16 on a CPU with AMX the caller takes decode_attention_amx instead (below: the scores and P.V on the
+// tile unit, a task per row's kv head).
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -1,23 +1,24 @@
-// Causal attention of prefill chunks that start at position 0 (their own K/V are the whole context), for CPU
-// runners: a flash-attention forward (online softmax over 32-token key blocks) over packed variable-length
-// sequences, GQA, float32 scores and sums.
+// Causal attention of prefill chunks for CPU runners: a flash-attention forward (online softmax over 32-key
+// blocks) over packed variable-length sequences, GQA, float32 scores and sums.
 //
-// Layout (npu/qwen3/runner.py): q, k and v are row views of the layer's qkv activations (row stride q_stride /
-// kv_stride elements; query head h at q + h * head_dim, kv head g at k + g * head_dim); sequence s is rows
-// starts[s] .. starts[s + 1]; out is [rows, heads, head_dim]. Query row i of a sequence attends to its tokens
-// 0..i; query head h reads kv head h / (heads / kv_heads).
+// Layout (npu/qwen3/runner.py): q rows of the layer's activations (row stride q_stride; query head h at
+// q + h * head_dim); sequence s is q rows starts[s] .. starts[s + 1]; out is [rows, heads, head_dim]. Its keys
+// (struct Keys) are either its own (chunks from position 0: k and v rows of the same activations, kv head g at
+// k + g * head_dim) or the first kv_lengths[s] tokens of its pages in a paged pool (chunks after cached tokens; the
+// pool already holds the chunk's own). The rows are the sequence's last positions: row i attends to keys
+// 0 .. kv_length - rows + i. Query head h reads kv head h / (heads / kv_heads).
 //
-// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for AMX, V) is packed into the
-// caller's `scratch` (a torch tensor, so the startup profile counts it: rows_padded x kv_heads x head_dim x 4
-// bytes, each sequence's length rounded up to 32 with zeros); (2) tasks of 16 query rows of one head, longest
+// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for AMX or from pages, V) is packed
+// into the caller's `scratch` (a torch tensor, so the startup profile counts it: keys rounded up to 32 with zeros
+// x kv_heads x head_dim x 4 bytes, plus the V rows from pages); (2) tasks of 16 query rows of one head, costliest
 // first (the causal mask makes a task's cost grow with its position), dynamically over torch's OpenMP threads.
 //
-// Three paths compute the same thing (the caller picks one; tests run each against SDPA):
+// Three paths compute the same thing (the caller picks one; tests run each against float64 attention):
 //   kPortable  plain loops, both dtypes (bf16 widened): any CPU, any head_dim.
 //   kAvx512    float32 with AVX-512 FMA register blocks (4 rows x 32 keys, 4 rows x 64 columns): head_dim % 64 == 0.
-//   kAmx       bfloat16 on the AMX tile unit: scores and P.V as tile dot products (K in VNNI pairs over head_dim,
-//              V in VNNI pairs over tokens, P rounded to bfloat16 as torch's flash kernel does): head_dim % 32 == 0
-//              up to 256. Linux grants a process the AMX state only on request (prefill_attention_paths asks).
+//   kAmx       bfloat16 on the AMX tile unit (task_amx: transposed, so a vector holds one key's scores for the 16
+//              rows), P rounded to bfloat16 as torch's flash kernel does: head_dim % 32 == 0 up to 256. Linux grants
+//              a process the AMX state only on request (prefill_attention_paths asks).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
