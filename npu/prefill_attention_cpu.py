@@ -39,12 +39,20 @@ def available_paths(lib: ctypes.CDLL) -> set[int]:
 
 
 class CausalPrefillAttention:
-    """Attention of packed sequences over their own keys, each row over its sequence's rows up to itself."""
+    """Causal attention of prefill chunks: packed sequences over their own keys (__call__), or chunks at the end of
+    contexts held in a paged pool (paged)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                  path: int):
         if path not in available_paths(lib):
             raise ValueError(f"prefill attention path {path} is not available on this CPU / build")
+        # what each path takes (the kernel's buffers hold MAX_HEAD_DIM columns): dtypes, head_dim multiple
+        dtypes, multiple = {PORTABLE: ((torch.float32, torch.bfloat16), 1), AVX512: ((torch.float32,), 64),
+                            AMX: ((torch.bfloat16,), 32)}[path]
+        if dtype not in dtypes or not 0 < head_dim <= MAX_HEAD_DIM or head_dim % multiple or num_heads % num_kv_heads:
+            raise ValueError(f"prefill attention path {path} takes {' or '.join(map(str, dtypes))} and head_dim a "
+                             f"multiple of {multiple} up to {MAX_HEAD_DIM}, not {dtype} x {head_dim} ({num_heads} "
+                             f"heads / {num_kv_heads} kv heads)")
         self.fn = entry(lib, "causal_prefill_attention", dtype)
         self.paged_fn = entry(lib, "paged_prefill_attention", dtype)
         self.dtype, self.path = dtype, path

@@ -215,6 +215,12 @@ def test_arguments_that_do_not_fit_the_kernel_are_a_clear_error():
         op(q, k.contiguous(), v, [10, 6])                           # k and v with different row strides
     with pytest.raises(ValueError, match="not available"):
         CausalPrefillAttention(load(), torch.float32, 8, 2, 64, 7)
+    with pytest.raises(ValueError, match="up to 256"):                # the kernel's buffers hold 256 columns
+        CausalPrefillAttention(load(), torch.float32, 2, 1, 512, PORTABLE)
+    if AVX512 in paths():
+        for dtype, head_dim in ((torch.float32, 96), (torch.bfloat16, 64)):
+            with pytest.raises(ValueError, match="multiple of 64"):
+                CausalPrefillAttention(load(), dtype, 2, 1, head_dim, AVX512)
 
 
 def test_the_fast_path_is_chosen_by_dtype_head_size_and_cpu():
