@@ -46,13 +46,10 @@ class CausalPrefillAttention:
                  path: int):
         if path not in available_paths(lib):
             raise ValueError(f"prefill attention path {path} is not available on this CPU / build")
-        # what each path takes (the kernel's buffers hold MAX_HEAD_DIM columns): dtypes, head_dim multiple
-        dtypes, multiple = {PORTABLE: ((torch.float32, torch.bfloat16), 1), AVX512: ((torch.float32,), 64),
-                            AMX: ((torch.bfloat16,), 32)}[path]
-        if dtype not in dtypes or not 0 < head_dim <= MAX_HEAD_DIM or head_dim % multiple or num_heads % num_kv_heads:
-            raise ValueError(f"prefill attention path {path} takes {' or '.join(map(str, dtypes))} and head_dim a "
-                             f"multiple of {multiple} up to {MAX_HEAD_DIM}, not {dtype} x {head_dim} ({num_heads} "
-                             f"heads / {num_kv_heads} kv heads)")
+        refused = path_refuses(path, dtype, head_dim)
+        if refused or num_heads % num_kv_heads:
+            raise ValueError(f"prefill attention path {path}: {refused or 'heads not a multiple of kv heads'} "
+                             f"({num_heads} heads / {num_kv_heads} kv heads)")
         self.fn = entry(lib, "causal_prefill_attention", dtype)
         self.paged_fn = entry(lib, "paged_prefill_attention", dtype)
         self.dtype, self.path = dtype, path
@@ -119,21 +116,31 @@ class CausalPrefillAttention:
         return out
 
 
+# What each path takes: dtypes, and head_dim a multiple of this (up to MAX_HEAD_DIM: the kernel's buffers).
+TAKES = {PORTABLE: ((torch.float32, torch.bfloat16), 1), AVX512: ((torch.float32,), 64), AMX: ((torch.bfloat16,), 32)}
+FAST = {torch.bfloat16: (AMX, "AMX bfloat16 tiles"), torch.float32: (AVX512, "AVX-512 float32")}   # beats SDPA
+
+
+def path_refuses(path: int, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why `path` cannot run this dtype and head size, or None."""
+    dtypes, multiple = TAKES[path]
+    if dtype not in dtypes or not 0 < head_dim <= MAX_HEAD_DIM or head_dim % multiple:
+        return (f"it takes {' or '.join(map(str, dtypes))} and head_dim a multiple of {multiple} up to "
+                f"{MAX_HEAD_DIM}, not {dtype} x {head_dim}")
+    return None
+
+
 def fast_path(dtype: torch.dtype, head_dim: int, paths: set[int]) -> tuple[int | None, str]:
     """The path that beats SDPA for this dtype and head size on this CPU, or None and why not."""
-    if dtype == torch.bfloat16:
-        if AMX not in paths:
-            return None, "bfloat16 needs the AMX tile unit (this CPU or kernel build has none, or Linux refused it)"
-        if head_dim % 32 or head_dim > MAX_HEAD_DIM:
-            return None, f"bfloat16 needs head_dim a multiple of 32 up to {MAX_HEAD_DIM}, not {head_dim}"
-        return AMX, "AMX bfloat16 tiles"
-    if dtype == torch.float32:
-        if AVX512 not in paths:
-            return None, "float32 needs AVX-512 (this CPU or kernel build has none)"
-        if head_dim % 64 or head_dim > MAX_HEAD_DIM:
-            return None, f"float32 needs head_dim a multiple of 64 up to {MAX_HEAD_DIM}, not {head_dim}"
-        return AVX512, "AVX-512 float32"
-    return None, f"no kernel for {dtype}"
+    if dtype not in FAST:
+        return None, f"no kernel for {dtype}"
+    path, name = FAST[dtype]
+    if path not in paths:
+        unit = "AVX-512 (this CPU or kernel build has none)" if path == AVX512 else \
+            "the AMX tile unit (this CPU or kernel build has none, or Linux refused it)"
+        return None, f"{name} needs {unit}"
+    refused = path_refuses(path, dtype, head_dim)
+    return (None, refused) if refused else (path, name)
 
 
 def causal_prefill_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

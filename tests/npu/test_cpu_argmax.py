@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from npu.sampler import cpu_argmax, greedy_ids
+from tests.support.threads import on_threads
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="no C++ compiler: greedy_ids takes numpy's argmax (test_sampler.py)")
@@ -64,13 +65,8 @@ def test_strided_rows_and_threads_give_the_same_ids(dtype):
     expected = numpy_argmax(logits)
     assert greedy_ids(logits) == expected
     assert greedy_ids(wide[:, ::3]) == numpy_argmax(wide[:, ::3])     # columns apart: copied first
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            assert greedy_ids(logits) == expected
-    finally:
-        torch.set_num_threads(threads)
+    for n in (1, 3):
+        assert on_threads(n, greedy_ids, logits) == expected
 
 
 def test_the_sampler_runs_the_kernel_on_cpu(monkeypatch):

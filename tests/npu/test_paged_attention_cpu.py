@@ -14,6 +14,7 @@ from npu.cpu_kernels import load
 from npu.paged_attention_cpu import PagedDecodeAttention, amx_applies, paged_decode_attention
 from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
+from tests.support.threads import on_threads
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="no C++ compiler: the runner uses gather + SDPA (tested elsewhere)")
@@ -111,15 +112,6 @@ def test_the_amx_path_is_picked_for_bf16_where_it_applies_and_refused_elsewhere(
             with pytest.raises(ValueError, match=why):
                 PagedDecodeAttention(lib, torch.bfloat16, *shape, tiles=True)
 
-
-def on_threads(threads: int, op, *args) -> torch.Tensor:
-    """op(*args) with torch (and so the kernel) at `threads` threads."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        return op(*args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_rows_do_not_depend_on_the_thread_count_or_on_each_other():

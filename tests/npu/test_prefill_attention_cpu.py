@@ -25,6 +25,7 @@ from npu.prefill_attention_cpu import (
 )
 from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
+from tests.support.threads import on_threads
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="no C++ compiler: the runner uses SDPA (tested elsewhere)")
@@ -177,14 +178,6 @@ def test_paged_arguments_that_do_not_fit_are_a_clear_error():
     with pytest.raises(ValueError, match=r"page ids in \[\d+, \d+\] for a pool of \d+ pages"):
         op.paged(q, pool, outside, 40, 8)
 
-
-def on_threads(threads: int, op, *args) -> torch.Tensor:
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        return op(*args)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype, path", path_params())
