@@ -1,11 +1,11 @@
-"""A Qwen3 decode step against its memory floor: the bytes each part of the step reads and how fast it reads them.
+"""A Qwen3 decode step against its floor: the bytes and arithmetic of each part of the step and how fast each runs.
 
     python bench/profile_decode_floor.py --model DIR [--batch 64 --context 193 --threads 2 --steps 30]
 
 At batch 64 a CPU decode step of a small model reads every weight once (the projections and the head) and every
 row's K and V pages once (the paged decode attention); everything else is small. So its floor is those bytes over
-the host's DRAM read rate, and a step near its floor cannot get much faster by better arithmetic, in this engine or
-another that reads the same bytes (issue 37's held-out 12 x 1024 shape). This script builds the runner on the
+the host's DRAM read rate, or the arithmetic over the CPU's matrix rate where that is longer, and a step near its
+floor cannot get much faster, in this engine or another that does the same work (issue 37's held-out 12 x 1024 shape). This script builds the runner on the
 checkpoint (the model's own code path, no engine around it), fills `batch` rows of `context` tokens each, then
 times `steps` decode steps with a timer around each projection call (by weight shape) and each attention call, and
 prints per part: ms per step, MB read and GFLOP per step, and its floor: the longer of its bytes at the DRAM read rate
