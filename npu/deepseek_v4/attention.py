@@ -66,12 +66,14 @@ def pool_windows(rows: torch.Tensor, ok: torch.Tensor, ratio: int, width: int, o
 
 
 class Attention:
-    """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype)."""
+    """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype) and projections from
+    `linear(x, name)` (x W^T, which may read a quantized W as stored)."""
 
     def __init__(self, layout: DeepseekV4Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
-                 ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
-        self.lay, self.ratios, self.kinds, self.ropes, self.w, self.io, self.dtype = (
-            layout, ratios, kinds, ropes, w, io, dtype)
+                 ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor],
+                 linear: Callable[[torch.Tensor, str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
+        self.lay, self.ratios, self.kinds, self.ropes, self.w, self.linear, self.io, self.dtype = (
+            layout, ratios, kinds, ropes, w, linear, io, dtype)
         self.csa = min(kinds)
 
     def rotations(self, plan: StepPlan) -> dict[object, Rotation]:
@@ -94,10 +96,10 @@ class Attention:
         ratio = self.ratios[layer] if layer < len(self.ratios) else 0
         d, eps = lay.head_dim, lay.rms_norm_eps
         rope = rot[bool(ratio)]
-        q_latent = rms_norm(F.linear(x, w(p + "wq_a.weight")), w(p + "q_norm.weight"), eps)
-        q = unweighted_rms(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, lay.num_heads, d), eps)
+        q_latent = rms_norm(self.linear(x, p + "wq_a.weight"), w(p + "q_norm.weight"), eps)
+        q = unweighted_rms(self.linear(q_latent, p + "wq_b.weight").view(-1, lay.num_heads, d), eps)
         q = rope.apply(q)
-        kv = rope.apply(rms_norm(F.linear(x, w(p + "wkv.weight")), w(p + "kv_norm.weight"), eps))
+        kv = rope.apply(rms_norm(self.linear(x, p + "wkv.weight"), w(p + "kv_norm.weight"), eps))
         self.io.write(self.window_group(layer), layer, plan.rows["ori.write"], kv)
         if ratio:
             kind = self.kinds[ratio]
@@ -113,14 +115,14 @@ class Attention:
         groups = lay.o_groups
         wo_a = w(p + "wo_a.weight").view(groups, lay.o_lora_rank, -1)         # [G, rank, H d / G]
         grouped = torch.einsum("ngi,gri->ngr", out.reshape(out.shape[0], groups, -1), wo_a)
-        return F.linear(grouped.flatten(1), w(p + "wo_b.weight"))
+        return self.linear(grouped.flatten(1), p + "wo_b.weight")
 
     def _compress(self, layer: int, prefix: str, kind: Compression, state: str, out: str, width: int,
                   x: torch.Tensor, plan: StepPlan, rope: Rotation) -> None:
         """Write this step's state rows; compress every window completed in this step into `out`."""
         w, r = self.w, kind.ratio
-        kv = F.linear(x, w(prefix + "wkv.weight"))
-        score = F.linear(x, w(prefix + "wgate.weight")).float() + w(prefix + "ape")[plan.pos % r]
+        kv = self.linear(x, prefix + "wkv.weight")
+        score = self.linear(x, prefix + "wgate.weight").float() + w(prefix + "ape")[plan.pos % r]
         self.io.write(state, layer, plan.rows[f"{state}.write"], torch.cat([kv.float(), score], -1))
         read = plan.rows[f"{state}.read"]
         if read.page.numel() == 0:
@@ -148,10 +150,10 @@ class Attention:
     def _index_queries(self, layer: int, x: torch.Tensor, q_latent: torch.Tensor,
                        rope: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer's per-token queries [N, heads, di] and head weights [N, heads]."""
-        lay, w = self.lay, self.w
+        lay = self.lay
         p, heads, di = f"layers.{layer}.attn.indexer.", lay.index_num_heads, lay.index_head_dim
-        q = rope.apply(F.linear(q_latent, w(p + "wq_b.weight")).view(-1, heads, di))
-        return q, F.linear(x, w(p + "weights_proj.weight")).float() * heads ** -0.5
+        q = rope.apply(self.linear(q_latent, p + "wq_b.weight").view(-1, heads, di))
+        return q, self.linear(x, p + "weights_proj.weight").float() * heads ** -0.5
 
     def _index(self, layer: int, group: QueryGroup, q: torch.Tensor, head_w: torch.Tensor) -> Rows | None:
         """Rows of the top index_topk visible CSA rows of each query of the group, [S, Q, k].

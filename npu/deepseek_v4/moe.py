@@ -8,21 +8,26 @@ Two ways to run the routed experts, the same sums:
 - on the CPU (routed_experts, by_expert): the pairs sorted by expert, each picked expert run once on its rows
   and fetched (dequantized) only when picked; the host reads the counts, which costs nothing there;
 - on an accelerator (grouped_experts): no host sync. The pairs are sorted by expert on the device, every
-  expert's end offset comes from one searchsorted, and two grouped GEMMs (torch._grouped_mm: one launch for all
-  experts, empty groups cost nothing) run w1|w3 and w2 over the sorted rows; the stacked weights are dequantized
-  for the step where they are quantized. Where the device has no grouped GEMM for the dtype, each expert runs over
-  every pair and keeps its own rows (the same static shapes, E times the arithmetic).
+  expert's end offset comes from one searchsorted, and grouped GEMMs (one launch for all experts, empty groups
+  cost nothing) run w1, w3 and w2 over the sorted rows. Which grouped GEMM is the runner's choice (GroupedGemm):
+  npu.grouped_gemm_triton reads the stacks as stored (FP4 / FP8 dequantized in the kernel, tile by tile) where
+  Triton runs; elsewhere the stack is dequantized for the step and torch._grouped_mm runs it (torch_grouped_gemm),
+  or, where the device has no grouped GEMM for the dtype, each expert runs over every row and keeps its own
+  (masked_grouped_gemm: the same static shapes, E times the arithmetic).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from appliance.core.parallel import split
 from npu.collectives import Collective
+from npu.deepseek_v4.expert_stacks import Held
+from npu.grouped_gemm_triton import grouped_gemm_applies, triton_grouped_gemm
+from npu.quant import QuantizedWeight
 
 SCORE_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
@@ -45,11 +50,14 @@ def route(h: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int, sc
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float | None) -> torch.Tensor:
-    gate, up = F.linear(x, w1), F.linear(x, w3)
+def swiglu(x: torch.Tensor, w1: Any, w3: Any, w2: Any, limit: float | None,
+           linear: Callable[[torch.Tensor, Any], torch.Tensor] = F.linear) -> torch.Tensor:
+    """w2(silu(w1 x) * w3 x) with clamped inputs; the weights are whatever `linear` takes (tensors for F.linear, names
+    for a runner's projection)."""
+    gate, up = linear(x, w1), linear(x, w3)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
+    return linear(F.silu(gate) * up, w2)
 
 
 def by_expert(h: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -114,28 +122,58 @@ def expert_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.searchsorted(sorted_ids, bounds, right=False).to(torch.int32)
 
 
-def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                    w2: torch.Tensor, limit: float | None, grouped_mm: bool = True) -> torch.Tensor:
-    """routed_experts with no host sync: w1, w3 [E, I, D] and w2 [E, D, I] stacked over the experts, in the compute
-    dtype. grouped_mm=False: the device has no grouped GEMM for this dtype (each expert runs over every pair)."""
+GroupedGemm = Callable[[torch.Tensor, Held, torch.Tensor], torch.Tensor]
+"""(rows [P, K] sorted by expert, stack [E, N, K] as the runner holds it, ends int32 [E]) -> rows @ stack[e]^T per
+expert's rows, [P, N] in the rows' dtype."""
+
+
+def torch_grouped_gemm(rows: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm over a stack in the rows' dtype."""
+    return torch._grouped_mm(rows, stack.transpose(-2, -1), offs=ends)
+
+
+def masked_grouped_gemm(rows: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each expert over every row, each row keeping its own expert's output: for devices with no grouped GEMM."""
+    expert_of_row = torch.searchsorted(ends, torch.arange(rows.shape[0], device=rows.device, dtype=ends.dtype),
+                                       right=True)[:, None]
+    out = rows.new_zeros(rows.shape[0], stack.shape[-2])
+    for e in range(stack.shape[0]):
+        out = torch.where(expert_of_row == e, F.linear(rows, stack[e]), out)
+    return out
+
+
+def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: Held, w3: Held, w2: Held,
+                    limit: float | None, gemm: GroupedGemm) -> torch.Tensor:
+    """routed_experts with no host sync: w1, w3 [E, I, D] and w2 [E, D, I] stacked over the experts, held as `gemm`
+    reads them (expert_gemm's: as stored)."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)          # pairs by expert, each expert's rows in pair order
     rows = h.index_select(0, order // k)
-    if grouped_mm:
-        ends = expert_offsets(flat.index_select(0, order), w1.shape[0])
-        gate = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends)
-        up = torch._grouped_mm(rows, w3.transpose(-2, -1), offs=ends)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
-    else:
-        ids = flat.index_select(0, order)[:, None]
-        out = torch.zeros_like(rows)
-        for e in range(w1.shape[0]):
-            out = torch.where(ids == e, swiglu(rows, w1[e], w3[e], w2[e], limit), out)
+    ends = expert_offsets(flat.index_select(0, order), w1.shape[0])
+    gate, up = gemm(rows, w1, ends), gemm(rows, w3, ends)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    out = gemm(F.silu(gate) * up, w2, ends)
     pairs = torch.empty_like(out).index_copy_(0, order, out)
     return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+
+
+def expert_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
+    """The grouped GEMM for expert stacks on this device, chosen once at load: quantized stacks through the Triton
+    kernel that reads them as stored where it runs, else dequantized for the step; plain stacks through
+    torch._grouped_mm where it works (a maintained kernel), else the Triton kernel, else masked_grouped_gemm."""
+    triton_runs, torch_runs = grouped_gemm_applies(device, dtype), grouped_mm_works(device, dtype)
+
+    def run(rows: torch.Tensor, stack: Held, ends: torch.Tensor) -> torch.Tensor:
+        if isinstance(stack, QuantizedWeight):
+            if triton_runs:
+                return triton_grouped_gemm(rows, stack, ends)
+            stack = stack.dequantize(dtype)
+        if torch_runs:
+            return torch_grouped_gemm(rows, stack, ends)
+        return (triton_grouped_gemm if triton_runs else masked_grouped_gemm)(rows, stack, ends)
+    return run
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -10,9 +10,11 @@ layers route by tid2eid[token]) plus a shared expert. The oracle is transformers
 the same weights (tests/npu/test_dsv4_oracle.py).
 
 Weights: the tensors and names of the released checkpoint (appliance/core/archs/deepseek_v4/weights.py).
-They are held as stored: FP8 / FP4 matrices stay quantized on the device and each is dequantized to the
-compute dtype when its layer runs (a routed expert only when some token picks it), so the model is never
-in the compute dtype all at once. MTP layers (`mtp.J.*`) are loaded, checked and held the same way under
+They are held as stored: FP8 / FP4 matrices stay quantized on the device. On a CPU each is dequantized to the
+compute dtype when its layer runs (a routed expert only when some token picks it); on a GPU with Triton the
+routed experts (stacked per layer) and the FP8 linears are read as stored by npu.grouped_gemm_triton, which
+dequantizes tile by tile inside the kernel; elsewhere a layer's stack is dequantized for the step. The model is
+never in the compute dtype all at once. MTP layers (`mtp.J.*`) are loaded, checked and held the same way under
 their released names (self.params), but not run: a speculative-decoding drafter can read them there.
 
 Steps may start anywhere and hold up to tokens_in_flight tokens per sequence, as long as every
@@ -34,10 +36,19 @@ from appliance.core.parallel import RankPlace, TensorSlice
 from npu.deepseek_v4.attention import Attention, rms_norm
 from npu.deepseek_v4.expert_stacks import Held, stack_experts
 from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
-from npu.deepseek_v4.moe import exchange_experts, grouped_experts, grouped_mm_works, route, routed_experts, swiglu
+from npu.deepseek_v4.moe import (
+    GroupedGemm,
+    exchange_experts,
+    expert_gemm,
+    grouped_experts,
+    route,
+    routed_experts,
+    swiglu,
+)
 from npu.deepseek_v4.mtp import STALE_STEPS, Fed, MtpHistory, catch_up_rows, feed_tokens, flat_starts
 from npu.deepseek_v4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.deepseek_v4.rope import Rotation, layer_ropes
+from npu.grouped_gemm_triton import grouped_gemm_applies, triton_linear
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
@@ -72,12 +83,16 @@ class DeepseekV4Runner(ModelRunner):
         self.executed_steps = 0
         self.params: dict[str, Held] = {}
         # On an accelerator: each MoE layer's routed experts stacked (w1, w3, w2 of [E, ...]), by "layers.L.ffn." /
-        # "mtp.0.ffn.", run by moe.grouped_experts (no host sync); grouped_mm: the device has a grouped GEMM.
+        # "mtp.0.ffn.", held as stored and run by moe.grouped_experts (no host sync) through expert_gemm, the
+        # device's grouped GEMM (FP4 / FP8 stacks read as stored where Triton runs).
         self.expert_stacks: dict[str, tuple[Held, Held, Held]] = {}
-        self.grouped_mm = True
+        self.expert_gemm: GroupedGemm | None = None
+        # On an accelerator where Triton runs: FP8 linears read as stored by the same kernel (one group), never
+        # dequantized whole (self.linear).
+        self.linears_as_stored = False
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
-                                   self.weight, self.io, self.dtype)
+                                   self.weight, self.linear, self.io, self.dtype)
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -121,7 +136,8 @@ class DeepseekV4Runner(ModelRunner):
         self.expert_stacks = {}
         if self.device.type != "cpu" and self.place.expert == 1:   # routed experts as one grouped GEMM per layer
             self.expert_stacks = stack_experts(held)
-            self.grouped_mm = grouped_mm_works(self.device, self.dtype)
+            self.expert_gemm = expert_gemm(self.device, self.dtype)
+        self.linears_as_stored = self.device.type != "cpu" and grouped_gemm_applies(self.device, self.dtype)
         self.params = held
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -132,6 +148,14 @@ class DeepseekV4Runner(ModelRunner):
         """A weight for the math: quantized matrices dequantized to the compute dtype now, others as held."""
         w = self.params[name]
         return w.dequantize(self.dtype) if isinstance(w, QuantizedWeight) else w
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x W^T for the weight `name`: a quantized matrix read as stored by the grouped kernel where it runs
+        (linears_as_stored), else the weight as self.weight gives it."""
+        w = self.params[name]
+        if self.linears_as_stored and isinstance(w, QuantizedWeight):
+            return triton_linear(x, w)
+        return F.linear(x, self.weight(name))
 
     # -- model -------------------------------------------------------------------------------------
     def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool,
@@ -152,17 +176,15 @@ class DeepseekV4Runner(ModelRunner):
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return w(f"{p}experts.{e}.w1.weight"), w(f"{p}experts.{e}.w3.weight"), w(f"{p}experts.{e}.w2.weight")
 
-        if p in self.expert_stacks:
-            w1, w3, w2 = (h.dequantize(self.dtype) if isinstance(h, QuantizedWeight) else h
-                          for h in self.expert_stacks[p])
-            routed = grouped_experts(x, weights, experts, w1, w3, w2, lay.swiglu_limit, self.grouped_mm)
+        if p in self.expert_stacks and self.expert_gemm is not None:
+            routed = grouped_experts(x, weights, experts, *self.expert_stacks[p], lay.swiglu_limit, self.expert_gemm)
         elif self.expert_parallel is None:
             routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
         else:
             routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
                                       lay.num_experts)
-        shared = swiglu(x, w(f"{p}shared_experts.w1.weight"), w(f"{p}shared_experts.w3.weight"),
-                        w(f"{p}shared_experts.w2.weight"), lay.swiglu_limit)
+        shared = swiglu(x, f"{p}shared_experts.w1.weight", f"{p}shared_experts.w3.weight",
+                        f"{p}shared_experts.w2.weight", lay.swiglu_limit, self.linear)
         return routed + shared
 
     def _hc(self, prefix: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,8 +266,8 @@ class DeepseekV4Runner(ModelRunner):
         feed_tokens(plan, seqs, fed or {})
         h = torch.cat([hidden[i] for i in flat_order(seqs)])
         e = rms_norm(w("embed.weight")[plan.token_ids], w(p + "enorm.weight"), lay.rms_norm_eps)
-        x = (F.linear(e, w(p + "e_proj.weight")).unsqueeze(1)
-             + F.linear(rms_norm(h, w(p + "hnorm.weight"), lay.rms_norm_eps), w(p + "h_proj.weight")))
+        x = (self.linear(e, p + "e_proj.weight").unsqueeze(1)
+             + self.linear(rms_norm(h, w(p + "hnorm.weight"), lay.rms_norm_eps), p + "h_proj.weight"))
         streams = self._block(lay.num_layers, x, plan, self.attention.rotations(plan), worst_case, p)
         last = streams[plan.sample_index]
         return self._head(last, p, p + "norm.weight"), last

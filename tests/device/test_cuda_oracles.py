@@ -188,6 +188,32 @@ def test_paged_decode_kernel_on_the_gpu_equals_attention_over_gathered_pages(dty
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
+@pytest.mark.parametrize("fmt,block", [("plain", 0), ("fp8", 128), ("fp4", 32)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_grouped_gemm_kernel_on_the_gpu_equals_each_group_dequantized(fmt, block, dtype, tolerance):
+    """The grouped GEMM compiled for the GPU (the CPU tests run Triton's interpreter) on decode-like and prefill-like
+    row counts over 32 groups, some empty."""
+    from npu.grouped_gemm_triton import triton_grouped_gemm
+    from tests.npu.test_grouped_gemm_triton import reference, stack
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(384, 512, generator=gen) * 0.05 for _ in range(32)]
+    held = stack([w.to(dtype) if fmt == "plain" else w for w in weights], fmt, block)
+    worst = 0.0
+    for rows_total in (96, 3000):
+        ids = torch.randint(0, 24, (rows_total,), generator=gen).sort().values      # groups 24..31 get no rows
+        sizes = torch.bincount(ids, minlength=32).tolist()
+        rows = torch.randn(rows_total, 512, generator=gen).to(dtype)
+        ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        on_gpu = held.to("cuda") if fmt == "plain" else type(held)(held.name, held.values.cuda(), held.scale.cuda(),
+                                                                      held.block)
+        got = triton_grouped_gemm(rows.cuda(), on_gpu, ends.cuda()).double().cpu()
+        want = reference(rows, held, sizes)
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+        assert torch.allclose(got, want, atol=tolerance * want.abs().max(), rtol=tolerance)
+    report(f"grouped_gemm_{fmt}_{str(dtype).removeprefix('torch.')}", {"max_rel_error": worst})
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="recorded graphs need a GPU")
 def test_recorded_decode_graphs_give_the_eager_steps_logits():
     from npu.qwen3.runner import Qwen3Runner

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 QWEN3 = ["+model=qwen3_tiny", "max_model_len=128", "max_num_seqs=4", "decode_batch=4"]
 DSV4 = ["+model=dsv4_tiny", "max_model_len=128", "max_num_seqs=4", "decode_batch=4"]
 DSV4_MTP = DSV4 + ["speculative.method=mtp", "speculative.num_tokens=2"]
+# As released: FP8 linears and FP4 experts, read as stored by the Triton grouped GEMM (npu/grouped_gemm_triton.py).
+DSV4_QUANTIZED = DSV4 + ["model.layout.quant_block_size=32", "model.layout.expert_dtype=fp4"]
 BLOCKS = 24
 
 
@@ -86,15 +88,22 @@ def serving_steps(runner: ModelRunner) -> list[StepBatch]:
     ]
 
 
-@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4], ids=["qwen3", "qwen3_gather", "dsv4"])
+@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4, DSV4_QUANTIZED],
+                         ids=["qwen3", "qwen3_gather", "dsv4", "dsv4_fp8_fp4"])
 def test_serving_steps_run_on_the_device_alone(overrides):
     runner, _ = fake_runner(overrides)
+    if overrides is DSV4_QUANTIZED:      # the kernel's path: FP8 linears and FP4 expert stacks held as stored
+        from npu.quant import QuantizedWeight
+        assert runner.linears_as_stored  # type: ignore[attr-defined]
+        stacks = runner.expert_stacks.values()  # type: ignore[attr-defined]
+        assert stacks and all(isinstance(w, QuantizedWeight) for stack in stacks for w in stack)
     for batch in serving_steps(runner):
         logits = step(runner, batch)
         assert logits.shape[0] == sum(s.sample for s in batch.seqs)
 
 
-@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4], ids=["qwen3", "qwen3_gather", "dsv4"])
+@pytest.mark.parametrize("overrides", [QWEN3, QWEN3_GATHER, DSV4, DSV4_QUANTIZED],
+                         ids=["qwen3", "qwen3_gather", "dsv4", "dsv4_fp8_fp4"])
 def test_the_profiles_worst_steps_run_on_the_device_alone(overrides):
     runner, rc = fake_runner(overrides)
     names = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 from functools import lru_cache
 from typing import Callable
@@ -380,13 +381,22 @@ def test_int8_indexer_rows_serve(weights, reference):
         assert len(tokens) == MAX_NEW and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_gemm", "per_expert_where"])
-def test_the_accelerator_moe_path_matches_transformers(weights, reference, grouped_mm):
-    """On an accelerator the routed experts run stacked (npu.deepseek_v4.moe.grouped_experts: no host sync); here on the
-    CPU, forced, so its sums are checked against the oracle where a GPU is not at hand."""
+@pytest.mark.parametrize("gemm", ["torch_grouped_mm", "masked", "triton"])
+def test_the_accelerator_moe_path_matches_transformers(weights, reference, gemm):
+    """On an accelerator the routed experts run stacked (npu.deepseek_v4.moe.grouped_experts: no host sync) through
+    the device's grouped GEMM; here on the CPU, forced, each of the three, so their sums are checked against the
+    oracle where a GPU is not at hand (the Triton kernel in Triton's interpreter)."""
     from npu.deepseek_v4.expert_stacks import stack_experts
+    from npu.deepseek_v4.moe import masked_grouped_gemm, torch_grouped_gemm
+    if gemm == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("runs in Triton's interpreter")
+        from npu.grouped_gemm_triton import triton_grouped_gemm
     runner = make_runner(weights)
-    runner.expert_stacks, runner.grouped_mm = stack_experts(runner.params), grouped_mm
+    runner.expert_stacks = stack_experts(runner.params)
+    runner.expert_gemm = {"torch_grouped_mm": torch_grouped_gemm, "masked": masked_grouped_gemm}.get(gemm) \
+        or triton_grouped_gemm
     assert runner.expert_stacks and not any(".experts." in name for name in runner.params)
     runner.allocate_pools(blocks_for(len(PROMPT_LENS)), num_scratch=2)
     results = run_paged(runner, PROMPT_LENS, lambda i, start: model().layout.tokens_in_flight,

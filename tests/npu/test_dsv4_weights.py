@@ -4,6 +4,7 @@ config.json in both spellings checked against the layout."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -174,6 +175,37 @@ def test_quantized_checkpoint_gives_the_tokens_of_its_dense_twin(twins):
     (tokens_q, logits_q), (tokens_d, logits_d) = (greedy(r, prompts) for r in runners)
     assert tokens_q == tokens_d
     assert (logits_q - logits_d).abs().max() < 1e-5                                # ... and dequantized exactly
+
+
+def test_weights_read_as_stored_by_the_grouped_kernel_give_the_dense_twins_tokens(twins, monkeypatch):
+    """The accelerator path: every MoE layer's FP4 experts stacked as stored and run by the Triton grouped GEMM (in
+    Triton's interpreter here), the FP8 linears by the same kernel with one group, each dequantizing tile by tile:
+    the dense twin's tokens and logits, and no weight dequantized whole but wo_a (a batched matmul per output
+    group, dequantized for the step)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in Triton's interpreter")
+    from npu.deepseek_v4.expert_stacks import stack_experts
+    from npu.grouped_gemm_triton import triton_grouped_gemm
+    model, quantized, dense = twins
+    runners = []
+    for m, path in ((model, quantized), (dense_twin(model), dense)):
+        runner = DeepseekV4Runner(dataclasses.replace(m, weights=str(path)), "cpu")
+        runner.load_weights()
+        runners.append(runner)
+    stacked = runners[0]
+    stacked.expert_stacks, stacked.expert_gemm = stack_experts(stacked.params), triton_grouped_gemm
+    stacked.linears_as_stored = True
+    assert all(isinstance(w, QuantizedWeight) and w.values.dtype == torch.float4_e2m1fn_x2
+               for stack in stacked.expert_stacks.values() for w in stack)
+    dequantized = []
+    real = QuantizedWeight.dequantize
+    monkeypatch.setattr(QuantizedWeight, "dequantize", lambda w, dtype: dequantized.append(w.name) or real(w, dtype))
+    prompts = [[7, 8, 9] * 7, list(range(40, 90))]
+    (tokens_q, logits_q), (tokens_d, logits_d) = (greedy(r, prompts) for r in runners)
+    assert dequantized and {name.split(".", 2)[2] for name in dequantized} == {"attn.wo_a.weight"}
+    assert tokens_q == tokens_d
+    assert (logits_q - logits_d).abs().max() < 1e-5
 
 
 def test_fp4_experts_stored_as_bytes_load_the_same(twins, tmp_path):

@@ -1,0 +1,187 @@
+"""Grouped GEMM with the weights read as stored (plain, FP8 with block scales, FP4 with per-32 scales), on a GPU by a
+Triton kernel: out[r] = rows[r] @ W[g]^T for every row r of group g.
+
+Why: DeepSeek V4's routed experts are FP4 (and its linears FP8). Before this, each step dequantized every layer's
+whole expert stack to the compute dtype and ran torch._grouped_mm on the copy: for 256 experts of 2048 x 4096 that
+is 6.4 G values per layer written and read again in bf16 (2 + 2 B each) where the weights as stored are 0.53 B
+per value, and only the experts some token picked are needed at all. Here each program reads its group's weight
+tile as stored, dequantizes it in registers and feeds the matrix unit: a decode step reads the picked experts once,
+in FP4, and nothing the size of the stack is ever made.
+
+Layout (what the callers hold; npu.quant.QuantizedWeight):
+- rows [P, K] sorted by group; ends int32 [G], the end of each group's rows (torch._grouped_mm's offsets);
+- plain weights [G, N, K] in the rows' dtype;
+- FP8: e4m3 values [G, N, K], one ue8m0 scale per [block, block] tile: scales [G, ceil(N / block), ceil(K / block)];
+- FP4: e2m1 codes two per byte, the low nibble first: [G, N, K / 2], one ue8m0 scale per 32 values of a row:
+  scales [G, N, K / 32].
+A ue8m0 byte e is 2 ** (e - 127); the scales were checked at load (no 0xFF). Values decode from their bits with
+the formats' definitions, so the kernel has one meaning on every device and in Triton's interpreter.
+
+Tiles: each group's rows are cut into BLOCK_M-row tiles, laid out group after group; group_tiles computes, on the
+device, each tile's (group, first row, end row), with no host sync. The grid is a static bound, cdiv(P, BLOCK_M) +
+min(G, P) tiles x cdiv(N, BLOCK_N) column blocks, so a step of P rows always launches the same grid (CUDA graph
+capture); tiles past the last exit at once and a group with no rows costs nothing. Each program accumulates
+[BLOCK_M, BLOCK_N] in float32 over K in BLOCK_K steps and stores in the rows' dtype, as torch._grouped_mm does.
+
+Where it applies (triton_grouped_gemm): a CUDA device with Triton importable, float16 / bfloat16 / float32 rows;
+tests run it under TRITON_INTERPRET=1 on the CPU (tests/npu/test_grouped_gemm_triton.py) against dequantize +
+matmul per group; make device-check on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npu.paged_attention_triton import INTERPRETED, triton
+from npu.quant import QuantizedWeight
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_gemm(x_ptr, w_ptr, s_ptr, tiles_ptr, out_ptr, num_tiles, N, K, scale_rows, scale_cols,
+                      FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        tile = tl.program_id(0)
+        group = tl.load(tiles_ptr + tile)
+        if group >= 0:
+            row0 = tl.load(tiles_ptr + num_tiles + tile)
+            row_end = tl.load(tiles_ptr + 2 * num_tiles + tile)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            live_rows, live_cols = rows < row_end, cols < N
+            g = group.to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                live_k = ks < K
+                a = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                            mask=live_rows[:, None] & live_k[None, :], other=0.0)
+                w_mask = live_cols[:, None] & live_k[None, :]
+                if FORMAT == 0:                                              # plain: [G, N, K] in the rows' dtype
+                    w = tl.load(w_ptr + g * N * K + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+                elif FORMAT == 1:                                            # FP8 e4m3 bytes [G, N, K]
+                    bits = tl.load(w_ptr + g * N * K + cols[:, None] * K + ks[None, :], mask=w_mask, other=0)
+                    bits = bits.to(tl.int32)
+                    exponent = (bits >> 3) & 15
+                    mantissa = (bits & 7).to(tl.float32)
+                    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,                 # 2 ** -9
+                                         (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32)))
+                    w = tl.where((bits & 128) != 0, -magnitude, magnitude)
+                    s = tl.load(s_ptr + g * scale_rows * scale_cols + (cols[:, None] // SCALE_BLOCK) * scale_cols
+                                + ks[None, :] // SCALE_BLOCK, mask=w_mask, other=127)
+                    w = w * tl.exp2(s.to(tl.float32) - 127.0)
+                else:                                                        # FP4 e2m1 pairs [G, N, K / 2]
+                    half = K // 2
+                    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    packed = tl.load(w_ptr + g * N * half + cols[:, None] * half + pairs[None, :],
+                                     mask=live_cols[:, None] & (pairs[None, :] < half), other=0).to(tl.int32)
+                    codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, BLOCK_K)   # low nibble first
+                    exponent = (codes >> 1) & 3
+                    mantissa = (codes & 1).to(tl.float32)
+                    magnitude = tl.where(exponent == 0, mantissa * 0.5,
+                                         (2.0 + mantissa) * tl.exp2((exponent - 2).to(tl.float32)))
+                    w = tl.where((codes & 8) != 0, -magnitude, magnitude)
+                    s = tl.load(s_ptr + g * N * scale_cols + cols[:, None] * scale_cols + ks[None, :] // 32,
+                                mask=w_mask, other=127)
+                    w = w * tl.exp2(s.to(tl.float32) - 127.0)
+                if UPCAST:
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                else:
+                    w = w.to(a.dtype)
+                acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=live_rows[:, None] & live_cols[None, :])
+
+
+FORMATS = {"plain": 0, "fp8": 1, "fp4": 2}
+BLOCK_N, BLOCK_K = 64, 64
+
+
+def block_m(rows: int, groups: int) -> int:
+    """Rows per tile: 16 (the matrix unit's least) while groups hold a few rows each (decode: 6 pairs per token over
+    256 experts), 64 once they hold many (prefill), so a weight tile is read once per 64 rows."""
+    return 16 if rows < 16 * groups else 64
+
+
+def group_tiles(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.Tensor:
+    """int32 [3, T]: for each of the T = cdiv(num_rows, rows_per_tile) + min(G, num_rows) tiles its group (-1 past the
+    last tile), first row and end row; computed on the device from the groups' ends, with no host sync."""
+    ends = ends.to(torch.int64)
+    groups = ends.numel()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + rows_per_tile - 1) // rows_per_tile
+    tile_ends = torch.cumsum(tiles, 0)
+    index = torch.arange(-(-num_rows // rows_per_tile) + min(groups, num_rows), device=ends.device)
+    group = torch.searchsorted(tile_ends, index, right=True)
+    live = group < groups
+    g = group.clamp(max=groups - 1)
+    first = starts[g] + (index - (tile_ends[g] - tiles[g])) * rows_per_tile
+    return torch.stack([torch.where(live, group, -1), first, ends[g]]).to(torch.int32)
+
+
+@torch.library.custom_op("appliance::grouped_gemm", mutates_args=())
+def grouped_gemm_op(rows: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tiles: torch.Tensor,
+                    out_features: int, fmt: str, scale_block: int, per_tile: int) -> torch.Tensor:
+    """The kernel as a torch op (FakeTensorMode, graph capture and torch.compile see an op with a known output):
+    rows [P, K] sorted by group, values / scale as stored (module docstring; scale empty for plain weights), tiles
+    from group_tiles(ends, P, per_tile) -> [P, out_features] in the rows' dtype."""
+    num_rows, k = rows.shape
+    out = rows.new_empty(num_rows, out_features)
+    if num_rows == 0:
+        return out
+    stored = values if fmt == "plain" else values.view(torch.uint8)
+    scales = scale.view(torch.uint8) if scale.numel() else stored
+    grid = (tiles.shape[1], triton.cdiv(out_features, BLOCK_N))
+    _grouped_gemm[grid](
+        rows.contiguous(), stored.contiguous(), scales.contiguous(), tiles, out, tiles.shape[1], out_features, k,
+        scale.shape[-2] if scale.dim() >= 2 else 1, scale.shape[-1] if scale.dim() >= 1 else 1,
+        FORMAT=FORMATS[fmt], SCALE_BLOCK=max(1, scale_block), BLOCK_M=per_tile, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",      # float32: exact sums, as F.linear
+        UPCAST=INTERPRETED and rows.dtype != torch.float32)     # the interpreter's tl.dot reads bf16 as raw bits
+    return out
+
+
+@grouped_gemm_op.register_fake
+def _grouped_gemm_shape(rows: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tiles: torch.Tensor,
+                        out_features: int, fmt: str, scale_block: int, per_tile: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
+
+
+def weight_format(weight: torch.Tensor | QuantizedWeight) -> str:
+    """'plain', 'fp8' or 'fp4': how the kernel reads this weight."""
+    if not isinstance(weight, QuantizedWeight):
+        return "plain"
+    return "fp4" if weight.values.dtype == torch.float4_e2m1fn_x2 else "fp8"
+
+
+def triton_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor | QuantizedWeight, ends: torch.Tensor) -> torch.Tensor:
+    """rows [P, K] sorted by group @ weight[g]^T per group (weight [G, N, K] as held: plain or quantized, never
+    dequantized whole); ends int32 [G]. -> [P, N] in the rows' dtype."""
+    fmt = weight_format(weight)
+    if isinstance(weight, QuantizedWeight):
+        values, scale, block = weight.values, weight.scale, weight.block
+    else:
+        values, scale, block = weight, rows.new_empty(0), 0
+    out_features = values.shape[-2]
+    if rows.shape[-1] != (values.shape[-1] * 2 if fmt == "fp4" else values.shape[-1]):
+        raise ValueError(f"grouped GEMM: rows have {rows.shape[-1]} columns, the weight {tuple(values.shape)} ({fmt})")
+    per_tile = block_m(rows.shape[0], ends.numel())
+    tiles = group_tiles(ends, rows.shape[0], per_tile)      # outside the op: the device guard sees it sync-free
+    return grouped_gemm_op(rows, values, scale, tiles, out_features, fmt, block, per_tile)
+
+
+def grouped_gemm_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel runs here: a CUDA device (or any under TRITON_INTERPRET=1) with Triton, and a
+    float16 / bfloat16 / float32 compute dtype."""
+    return (triton is not None and (device.type == "cuda" or INTERPRETED)
+            and dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def triton_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [..., K] @ W^T for one quantized matrix [N, K] read as stored (the kernel with one group) -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    stack = QuantizedWeight(weight.name, weight.values[None], weight.scale[None], weight.block)
+    ends = torch.full((1,), rows.shape[0], dtype=torch.int32, device=rows.device)
+    return triton_grouped_gemm(rows, stack, ends).view(*x.shape[:-1], -1)
