@@ -38,7 +38,9 @@ from npu.quant import QuantizedWeight
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # num_tiles follows the step's row count: not specialized, so a new count never compiles a new variant while
+    # serving (N, K and the scales' shape are the weight's, fixed from the first call).
+    @triton.jit(do_not_specialize=["num_tiles"])
     def _grouped_gemm(x_ptr, w_ptr, s_ptr, tiles_ptr, out_ptr, num_tiles, N, K, scale_rows, scale_cols,
                       FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,

@@ -34,7 +34,9 @@ except ImportError:  # pragma: no cover - a host without Triton runs the gather 
 
 
 if triton is not None:
-    @triton.jit
+    # table_width changes with the longest context of an eager step; Triton would compile a variant for each of its
+    # divisibility classes (a multiple of 16, 1, other) the first time one appears mid-serving: not specialized.
+    @triton.jit(do_not_specialize=["table_width"])
     def _paged_decode(q_ptr, pool_ptr, table_ptr, lengths_ptr, out_ptr, table_width, scale,
                       KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
