@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 from typing import Callable, Sequence
@@ -22,6 +23,10 @@ class Appliance:
         self.rc = rc
         self.engine = Engine(rc)
         self.report: StartupReport = self.engine.start()
+        # A program that ends without close() still stops the engine before the interpreter tears down: with its
+        # loop thread (and that thread's OpenMP team) left running while the native libraries shut down, such a
+        # process sometimes ended in "terminate called without an active exception", exit status 134.
+        atexit.register(self.close)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig | Sequence[str] | None = None) -> "Appliance":
@@ -50,6 +55,7 @@ class Appliance:
         return results
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self.engine.shutdown()
 
     def __enter__(self) -> "Appliance":

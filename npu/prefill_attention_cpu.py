@@ -4,15 +4,18 @@ keys, and chunks after cached tokens (later chunks of long prompts, prefix-cache
 Why: torch's CPU SDPA (its flash kernel) runs causal attention at about 310 GFLOP/s in bfloat16 and 125 in float32
 on the Xeon of BENCHMARKS (4 x 512 prompts, 8 heads of 64): a quarter of a 4 x 512 bf16 prefill step, and what left
 the appliance's prefill behind vLLM's (whose CPU backend has its own AMX kernel); a chunk after cached tokens also
-needed its pages gathered into a dense copy first. The kernel (npu/kernels/prefill_attention.cpp) packs each
-sequence's keys once (from the activations, or from the pages), computes the scores and P.V on the AMX tile unit
-in bfloat16 and in AVX-512 register blocks in float32, online softmax in float32 over 32-key blocks, all
-sequences of a call in one task list (16 query rows of one head each, longest first).
+needed its pages gathered into a dense copy first. On an AMD EPYC (Zen 4: AVX512-BF16, no AMX) SDPA's bfloat16
+GEMMs go through MKL, which there widens them to float32 SGEMM: a third of a 4 x 512 bf16 prefill step. The kernel
+(npu/kernels/prefill_attention.cpp) packs each sequence's keys once (from the activations, or from the pages),
+computes the scores and P.V on the AMX tile unit or with AVX512-BF16 dot products in bfloat16 and in AVX-512
+register blocks in float32, online softmax in float32 over 32-key blocks, all sequences of a call in one task list
+(16 query rows of one head each, longest first).
 
 Where it applies (causal_prefill_attention): a CPU runner with the kernels built, in bfloat16 where the CPU has
-AMX and Linux grants it, in float32 where it has AVX-512, head_dim a multiple of 32 (bf16) or 64 (fp32) up to
-256. Anywhere else the runner's SDPA path runs (the kernel's portable path exists for the tests: it is slower
-than SDPA). tests/npu/test_prefill_attention_cpu.py checks every path the CPU has against float64 attention.
+AMX (and Linux grants it) or else AVX512-BF16, in float32 where it has AVX-512, head_dim a multiple of 32 (bf16)
+or 64 (fp32) up to 256. Anywhere else the runner's SDPA path runs (the kernel's portable path exists for the
+tests: it is slower than SDPA). tests/npu/test_prefill_attention_cpu.py checks every path the CPU has against
+float64 attention.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from npu.cpu_kernels import entry, kernels_for, ptr
 
 log = logging.getLogger("npu.prefill_attention_cpu")
 
-PORTABLE, AVX512, AMX = 0, 1, 2       # the kernel's paths (prefill_attention.cpp `Path`)
+PORTABLE, AVX512, AMX, AVX512_BF16 = 0, 1, 2, 3   # the kernel's paths (prefill_attention.cpp `Path`)
 BLOCK = 32                            # the kernel pads each sequence's keys to a multiple of this
 MAX_HEAD_DIM = 256
 
@@ -35,7 +38,7 @@ def available_paths(lib: ctypes.CDLL) -> set[int]:
     """The fast paths this build has and this process may use (AMX: granted by Linux on the kernel's request)."""
     lib.prefill_attention_paths.restype = ctypes.c_int
     bits = lib.prefill_attention_paths()
-    return {PORTABLE} | ({AVX512} if bits & 1 else set()) | ({AMX} if bits & 2 else set())
+    return {PORTABLE} | {path for bit, path in ((1, AVX512), (2, AMX), (4, AVX512_BF16)) if bits & bit}
 
 
 class CausalPrefillAttention:
@@ -117,8 +120,12 @@ class CausalPrefillAttention:
 
 
 # What each path takes: dtypes, and head_dim a multiple of this (up to MAX_HEAD_DIM: the kernel's buffers).
-TAKES = {PORTABLE: ((torch.float32, torch.bfloat16), 1), AVX512: ((torch.float32,), 64), AMX: ((torch.bfloat16,), 32)}
-FAST = {torch.bfloat16: (AMX, "AMX bfloat16 tiles"), torch.float32: (AVX512, "AVX-512 float32")}   # beats SDPA
+TAKES = {PORTABLE: ((torch.float32, torch.bfloat16), 1), AVX512: ((torch.float32,), 64), AMX: ((torch.bfloat16,), 32),
+         AVX512_BF16: ((torch.bfloat16,), 32)}
+# The paths that beat SDPA, per dtype, best first (bfloat16 without AMX: AMD Zen 4, and Intel with AMX refused)
+FAST = {torch.bfloat16: ((AMX, "AMX bfloat16 tiles"), (AVX512_BF16, "AVX512-BF16 dot products")),
+        torch.float32: ((AVX512, "AVX-512 float32"),)}
+UNIT = {AVX512: "AVX-512", AMX: "the AMX tile unit", AVX512_BF16: "AVX512-BF16"}
 
 
 def path_refuses(path: int, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -131,16 +138,20 @@ def path_refuses(path: int, dtype: torch.dtype, head_dim: int) -> str | None:
 
 
 def fast_path(dtype: torch.dtype, head_dim: int, paths: set[int]) -> tuple[int | None, str]:
-    """The path that beats SDPA for this dtype and head size on this CPU, or None and why not."""
+    """The best path that beats SDPA for this dtype and head size on this CPU, or None and why not."""
     if dtype not in FAST:
         return None, f"no kernel for {dtype}"
-    path, name = FAST[dtype]
-    if path not in paths:
-        unit = "AVX-512 (this CPU or kernel build has none)" if path == AVX512 else \
-            "the AMX tile unit (this CPU or kernel build has none, or Linux refused it)"
-        return None, f"{name} needs {unit}"
-    refused = path_refuses(path, dtype, head_dim)
-    return (None, refused) if refused else (path, name)
+    why = []
+    for path, name in FAST[dtype]:
+        if path not in paths:
+            why.append(f"{name} needs {UNIT[path]} (this CPU or kernel build has none"
+                       + (", or Linux refused it)" if path == AMX else ")"))
+            continue
+        refused = path_refuses(path, dtype, head_dim)
+        if refused is None:
+            return path, name
+        why.append(f"{name}: {refused}")
+    return None, "; ".join(why)
 
 
 def causal_prefill_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -8,17 +8,21 @@
 // pool already holds the chunk's own). The rows are the sequence's last positions: row i attends to keys
 // 0 .. kv_length - rows + i. Query head h reads kv head h / (heads / kv_heads).
 //
-// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for AMX or from pages, V) is packed
+// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for the bfloat16 paths or from pages, V) is packed
 // into the caller's `scratch` (a torch tensor, so the startup profile counts it: keys rounded up to 32 with zeros
 // x kv_heads x head_dim x 4 bytes, plus the V rows from pages); (2) tasks of 16 query rows of one head, costliest
 // first (the causal mask makes a task's cost grow with its position), dynamically over torch's OpenMP threads.
 //
-// Three paths compute the same thing (the caller picks one; tests run each against float64 attention):
+// Four paths compute the same thing (the caller picks one; tests run each against float64 attention):
 //   kPortable  plain loops, both dtypes (bf16 widened): any CPU, any head_dim.
 //   kAvx512    float32 with AVX-512 FMA register blocks (4 rows x 32 keys, 4 rows x 64 columns): head_dim % 64 == 0.
 //   kAmx       bfloat16 on the AMX tile unit (task_amx: transposed, so a vector holds one key's scores for the 16
 //              rows), P rounded to bfloat16 as torch's flash kernel does: head_dim % 32 == 0 up to 256. Linux grants
 //              a process the AMX state only on request (prefill_attention_paths asks).
+//   kAvx512Bf16  bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later): kAvx512's register blocks
+//              with _mm512_dpbf16_ps, two dimensions or two keys per instruction, P rounded to bfloat16 as on the
+//              tile path: head_dim % 32 == 0 up to 256. (torch's SDPA there runs MKL's bf16 GEMM, which on a
+//              non-Intel CPU widens to float32 and calls SGEMM.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,7 +50,7 @@ constexpr int64_t kBlock = 32;       // keys per online-softmax step: one tile r
 constexpr int64_t kMaxHead = 256;
 constexpr float kNone = -1e30f;      // the running max before any key (finite: -ffast-math assumes no infinities)
 
-enum Path { kPortable = 0, kAvx512 = 1, kAmx = 2 };
+enum Path { kPortable = 0, kAvx512 = 1, kAmx = 2, kAvx512Bf16 = 3 };
 
 inline int64_t padded(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
 
@@ -101,7 +105,7 @@ inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// online_softmax in AVX-512 registers (a 32-key row is two vectors). With `probs` set (the AMX path) the
+// online_softmax in AVX-512 registers (a 32-key row is two vectors). With `probs` set (the bfloat16 paths) the
 // probabilities go there as bfloat16 rows of 32, else back into s.
 inline void online_softmax_avx512(float* s, int64_t nrows, int64_t q0, int64_t t0, float scale, float* m, float* l,
                                   float* alpha, uint16_t* probs) {
@@ -302,6 +306,113 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t v_stri
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// K and V of one (sequence, kv head) for the AVX512-BF16 path, as 32-bit words of two bfloat16, padding keys zeros:
+//   kp [hd / 2][padded len]: word (w, t) holds dimensions 2w and 2w + 1 of key t, so one load gives 16 keys' pairs,
+//      dotted with a query's broadcast pair;
+//   vp [padded len / 2][hd]: word (j, d) holds dimension d of keys 2j and 2j + 1, dotted with a row's broadcast
+//      pair of probabilities.
+void pack_bf16_pairs(const Keys<uint16_t>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, uint32_t* kp,
+                     uint32_t* vp) {
+    const int64_t lp = padded(len), hd = sh.hd, words = hd / 2;
+    for (int64_t t = 0; t < lp; ++t) {
+        const uint16_t* row = t < len ? keys.row(s, t, 0) + g * hd : nullptr;
+        for (int64_t w = 0; w < words; ++w)
+            kp[w * lp + t] = row ? static_cast<uint32_t>(row[2 * w]) | static_cast<uint32_t>(row[2 * w + 1]) << 16 : 0;
+    }
+    for (int64_t t = 0; t < lp; t += 2) {
+        uint32_t* dst = vp + t / 2 * hd;
+        if (t >= len) {
+            std::memset(dst, 0, hd * sizeof(uint32_t));
+            continue;
+        }
+        const uint16_t* even = keys.row(s, t, 1) + g * hd;
+        const uint16_t* odd = t + 1 < len ? keys.row(s, t + 1, 1) + g * hd : nullptr;
+        for (int64_t d = 0; d < hd; d += 16) {             // (even[d], odd[d]) as one word, 16 dimensions at a time
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
+            const __m512i hi = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d)))
+                                   : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// P.V for 4 rows x U vectors of 16 columns from column c: acc = o x alpha + sum over key pairs of P pair . V pair.
+template <int U>
+inline void pv_block_bf16(const uint32_t* pw, const uint32_t* vp, int64_t hd, int64_t pairs, const float* alpha,
+                          float* og) {
+    __m512 acc[4][U];
+    for (int r = 0; r < 4; ++r) {
+        const __m512 f = _mm512_set1_ps(alpha[r]);
+        for (int u = 0; u < U; ++u) acc[r][u] = _mm512_mul_ps(f, _mm512_load_ps(og + r * hd + 16 * u));
+    }
+    for (int64_t j = 0; j < pairs; ++j) {
+        __m512bh v[U];
+        for (int u = 0; u < U; ++u) v[u] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + j * hd + 16 * u));
+        for (int r = 0; r < 4; ++r) {
+            const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pw[r * kBlock / 2 + j])));
+            for (int u = 0; u < U; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], v[u], p);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int u = 0; u < U; ++u) _mm512_store_ps(og + r * hd + 16 * u, acc[r][u]);
+}
+
+// The bfloat16 task on AVX512-BF16: task_avx512's blocks (4 rows x 32 keys of scores, 4 rows x 64 columns of P.V)
+// with each instruction taking two dimensions (scores) or two keys (P.V); kp and vp as pack_bf16_pairs lays them.
+void task_avx512_bf16(const uint16_t* q, const uint32_t* kp, const uint32_t* vp, int64_t lp, int64_t shift,
+                      int64_t q0, int64_t nrows, int64_t h, const Shape& sh, uint16_t* out) {
+    alignas(64) uint32_t qw[kRows * kMaxHead / 2];
+    alignas(64) float o[kRows * kMaxHead], s[kRows * kBlock];
+    alignas(64) uint16_t probs[kRows * kBlock];
+    float m[kRows], l[kRows], alpha[kRows];
+    const int64_t hd = sh.hd, words = hd / 2;
+    for (int64_t i = 0; i < kRows; ++i) {
+        if (i < nrows) std::memcpy(qw + i * words, q + (q0 + i) * sh.q_stride + h * hd, hd * sizeof(uint16_t));
+        else std::memset(qw + i * words, 0, hd * sizeof(uint16_t));
+    }
+    std::fill(o, o + kRows * hd, 0.0f);
+    std::fill(m, m + kRows, kNone);
+    std::fill(l, l + kRows, 0.0f);
+    const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
+    const int64_t row_groups = (nrows + 3) / 4;
+    for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
+        for (int64_t g = 0; g < row_groups; ++g) {          // scores: 4 rows x 32 keys in 8 registers
+            const uint32_t* qg = qw + g * 4 * words;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00;
+            for (int64_t w = 0; w < words; ++w) {
+                const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + w * lp + t0));
+                const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + w * lp + t0 + 16));
+                __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[w])));
+                a00 = _mm512_dpbf16_ps(a00, k0, b); a01 = _mm512_dpbf16_ps(a01, k1, b);
+                b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[words + w])));
+                a10 = _mm512_dpbf16_ps(a10, k0, b); a11 = _mm512_dpbf16_ps(a11, k1, b);
+                b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[2 * words + w])));
+                a20 = _mm512_dpbf16_ps(a20, k0, b); a21 = _mm512_dpbf16_ps(a21, k1, b);
+                b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[3 * words + w])));
+                a30 = _mm512_dpbf16_ps(a30, k0, b); a31 = _mm512_dpbf16_ps(a31, k1, b);
+            }
+            float* sg = s + g * 4 * kBlock;
+            _mm512_store_ps(sg, a00); _mm512_store_ps(sg + 16, a01);
+            _mm512_store_ps(sg + 32, a10); _mm512_store_ps(sg + 48, a11);
+            _mm512_store_ps(sg + 64, a20); _mm512_store_ps(sg + 80, a21);
+            _mm512_store_ps(sg + 96, a30); _mm512_store_ps(sg + 112, a31);
+        }
+        online_softmax_avx512(s, nrows, pos0, t0, sh.scale, m, l, alpha, probs);   // P as bf16 rows of 32 keys
+        const int64_t pairs = (std::min<int64_t>(kBlock, last - t0 + 1) + 1) / 2;  // a key past `last` has P 0
+        for (int64_t g = 0; g < row_groups; ++g) {
+            const uint32_t* pw = reinterpret_cast<const uint32_t*>(probs + g * 4 * kBlock);
+            const uint32_t* vb = vp + t0 / 2 * hd;
+            int64_t c = 0;
+            for (; c + 64 <= hd; c += 64) pv_block_bf16<4>(pw, vb + c, hd, pairs, alpha + g * 4, o + g * 4 * hd + c);
+            if (c < hd) pv_block_bf16<2>(pw, vb + c, hd, pairs, alpha + g * 4, o + g * 4 * hd + c);
+        }
+    }
+    write_rows(out + q0 * sh.heads * hd, o, l, nrows, h, sh);
+}
+#endif
+
 #if defined(APPLIANCE_AMX)
 // K of one (sequence, kv head) as rows ([padded len][hd]: the A operand of K.Q^T) and V transposed per 32-key
 // block ([padded len / 32][hd][32]: a block's A operands of V^T.P^T, contiguous), both bfloat16; padding keys
@@ -477,7 +588,8 @@ void prefill_attention(const T* q, const Keys<T>& keys, const int64_t* starts, c
                        T* out, void* scratch, const Shape& sh, int threads, int path) {
     const int64_t group = sh.heads / sh.kv_heads;
     const bool paged = keys.pool != nullptr;
-    // each (sequence, kv head)'s scratch: packed K (4 x padded keys x hd bytes), and in the paged case V rows too
+    // each (sequence, kv head)'s scratch: 4 x padded keys x hd bytes (K as float32, or K and V as bfloat16 on the AMX
+    // and AVX512-BF16 paths), and in the paged case V rows too
     const int64_t unit = paged ? 4 + static_cast<int64_t>(sizeof(T)) : 4;
     auto kv_len = [&](int64_t s) { return kv_lengths ? kv_lengths[s] : starts[s + 1] - starts[s]; };
     std::vector<int64_t> packed(seqs + 1, 0);              // each sequence's offset in scratch, x kv_heads x hd x unit B
@@ -511,6 +623,15 @@ void prefill_attention(const T* q, const Keys<T>& keys, const int64_t* starts, c
                 }
             }
 #endif
+#if defined(__AVX512BF16__)
+            if constexpr (sizeof(T) == 2) {
+                if (path == kAvx512Bf16) {
+                    uint32_t* kp = reinterpret_cast<uint32_t*>(region(s, g));
+                    pack_bf16_pairs(keys, s, g, len, sh, kp, kp + lp * sh.hd / 2);
+                    continue;
+                }
+            }
+#endif
             pack_k_columns(keys, s, g, len, sh, reinterpret_cast<float*>(region(s, g)));
             if (paged) pack_v_rows(keys, s, g, len, sh, reinterpret_cast<T*>(region(s, g) + lp * sh.hd * 4));
         }
@@ -527,6 +648,15 @@ void prefill_attention(const T* q, const Keys<T>& keys, const int64_t* starts, c
                 if (path == kAmx) {
                     const uint16_t* kp = reinterpret_cast<const uint16_t*>(region(s, g));
                     task_amx(qs, kp, kp + lp * sh.hd, shift, task.first, nrows, h, sh, os);
+                    continue;
+                }
+            }
+#endif
+#if defined(__AVX512BF16__)
+            if constexpr (sizeof(T) == 2) {
+                if (path == kAvx512Bf16) {
+                    const uint32_t* kp = reinterpret_cast<const uint32_t*>(region(s, g));
+                    task_avx512_bf16(qs, kp, kp + lp * sh.hd / 2, lp, shift, task.first, nrows, h, sh, os);
                     continue;
                 }
             }
@@ -575,7 +705,8 @@ void paged_keys(const T* q, const int64_t* starts, const T* pool, const int64_t*
 
 extern "C" {
 // Bit 0: the AVX-512 float32 path is compiled in; bit 1: the AMX bfloat16 path is compiled in and Linux granted
-// this process the tile state (asked here, once; the grant is process-wide).
+// this process the tile state (asked here, once; the grant is process-wide); bit 2: the AVX512-BF16 path is
+// compiled in.
 int prefill_attention_paths() {
     int paths = 0;
 #if defined(__AVX512F__)
@@ -583,6 +714,9 @@ int prefill_attention_paths() {
 #endif
 #if defined(APPLIANCE_AMX)
     if (kernels::amx_granted()) paths |= 2;
+#endif
+#if defined(__AVX512BF16__)
+    paths |= 4;
 #endif
     return paths;
 }

@@ -2,6 +2,9 @@
 aborted requests give every block back."""
 
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -160,3 +163,21 @@ def test_a_front_end_s_stop_counts_only_the_tokens_it_kept():
             time.sleep(0.01)
         assert engine.stats().generation_tokens - before.generation_tokens == 2
         assert free_blocks(engine) == total_blocks(engine)
+
+
+def test_an_appliance_left_open_is_closed_before_the_interpreter_exits():
+    """A script that never calls close(): the engine loop is stopped by the time later exit handlers run (without
+    it, such a process sometimes ended in std::terminate, exit status 134, as the native libraries shut down)."""
+    script = textwrap.dedent("""
+        import atexit, threading
+        from appliance.core.request import SamplingParams
+        from appliance.offline import Appliance
+
+        atexit.register(lambda: print("loop alive at exit:",
+                                      any(t.name == "engine-loop" and t.is_alive() for t in threading.enumerate())))
+        app = Appliance.from_config(["+model=qwen3_tiny"])
+        print(len(app.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["2", "loop alive at exit: False"], done.stdout

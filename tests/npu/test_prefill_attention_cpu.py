@@ -1,5 +1,6 @@
 """The CPU causal prefill-attention kernel (npu.prefill_attention_cpu): every path this CPU has (the portable
-loops always; AVX-512 float32 and AMX bfloat16 where the CPU has them) against float64 attention, at the tile and
+loops always; AVX-512 float32, AMX bfloat16 and AVX512-BF16 bfloat16 where the CPU has them: an Intel Xeon with
+AMX runs all four, an AMD Zen 4 all but AMX) against float64 attention, at the tile and
 block edges, with the running max raised late in a sequence, for chunks after cached tokens reading a pool's pages
 (NaN wherever they must not read), independent of the thread count and of the other sequences of a call, its
 arguments checked, and used by the Qwen3 runner for both kinds of chunk (the transformers oracle,
@@ -17,6 +18,7 @@ from npu.cpu_kernels import load
 from npu.prefill_attention_cpu import (
     AMX,
     AVX512,
+    AVX512_BF16,
     PORTABLE,
     CausalPrefillAttention,
     available_paths,
@@ -41,7 +43,8 @@ def path_params():
     """(dtype, path) pairs; a fast path the CPU lacks is skipped with the reason."""
     out = []
     for dtype, path, name in ((torch.float32, PORTABLE, "portable-fp32"), (torch.bfloat16, PORTABLE, "portable-bf16"),
-                              (torch.float32, AVX512, "avx512-fp32"), (torch.bfloat16, AMX, "amx-bf16")):
+                              (torch.float32, AVX512, "avx512-fp32"), (torch.bfloat16, AMX, "amx-bf16"),
+                              (torch.bfloat16, AVX512_BF16, "avx512bf16-bf16")):
         marks = [pytest.mark.skipif(path not in paths(), reason=f"this CPU has no {name.split('-')[0]} path")]
         out.append(pytest.param(dtype, path, id=name, marks=marks))
     return out
@@ -80,8 +83,8 @@ def error(got, want) -> float:
 def test_every_path_equals_causal_attention(dtype, path, heads, kv_heads, head_dim):
     if path == AVX512 and head_dim % 64:
         pytest.skip("the AVX-512 path takes head_dim in multiples of 64")
-    if path == AMX and head_dim % 32:
-        pytest.skip("the AMX path takes head_dim in multiples of 32")
+    if path in (AMX, AVX512_BF16) and head_dim % 32:
+        pytest.skip("the bfloat16 paths take head_dim in multiples of 32")
     qkv = packed(dtype, heads, kv_heads, head_dim, LENGTHS)
     op = CausalPrefillAttention(load(), dtype, heads, kv_heads, head_dim, path)
     out = op(*views(qkv, heads, kv_heads, head_dim), LENGTHS)
@@ -217,13 +220,16 @@ def test_arguments_that_do_not_fit_the_kernel_are_a_clear_error():
 
 
 def test_the_fast_path_is_chosen_by_dtype_head_size_and_cpu():
-    assert fast_path(torch.bfloat16, 64, {PORTABLE, AVX512, AMX}) == (AMX, "AMX bfloat16 tiles")
-    assert fast_path(torch.float32, 128, {PORTABLE, AVX512, AMX}) == (AVX512, "AVX-512 float32")
+    every = {PORTABLE, AVX512, AMX, AVX512_BF16}
+    assert fast_path(torch.bfloat16, 64, every) == (AMX, "AMX bfloat16 tiles")
+    assert fast_path(torch.bfloat16, 64, every - {AMX}) == (AVX512_BF16, "AVX512-BF16 dot products")   # AMD Zen 4
+    assert fast_path(torch.float32, 128, every) == (AVX512, "AVX-512 float32")
     for dtype, head_dim, have, why in ((torch.bfloat16, 64, {PORTABLE, AVX512}, "AMX"),
-                                       (torch.bfloat16, 80, {PORTABLE, AMX}, "multiple of 32"),
+                                       (torch.bfloat16, 64, {PORTABLE, AVX512}, "AVX512-BF16"),
+                                       (torch.bfloat16, 80, every, "multiple of 32"),
                                        (torch.float32, 64, {PORTABLE}, "AVX-512"),
                                        (torch.float32, 96, {PORTABLE, AVX512}, "multiple of 64"),
-                                       (torch.float16, 64, {PORTABLE, AVX512, AMX}, "no kernel")):
+                                       (torch.float16, 64, every, "no kernel")):
         path, reason = fast_path(dtype, head_dim, have)
         assert path is None and why in reason
     assert causal_prefill_attention(torch.device("meta"), torch.float32, 8, 2, 64) is None   # CPU runners only
