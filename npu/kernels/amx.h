@@ -1,5 +1,6 @@
 // What the AMX paths of the CPU kernels share: whether the tile unit is there (compiled for and granted by Linux),
-// a tile configuration, the bfloat16 pair packing of probabilities and a coarse exp2. Included by sources built
+// a tile configuration, the bfloat16 pair packing of probabilities and a coarse exp2; and a 16 x 16 transpose of
+// float32 / 32-bit lanes that the AVX-512 paths use too. Included by sources built
 // with -march=native, so APPLIANCE_AMX is defined exactly when this CPU has AMX-BF16 (and AVX512-BF16).
 #pragma once
 #include <cstdint>
@@ -61,6 +62,14 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
 }
+
+}  // namespace kernels
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace kernels {
 
 // r[i] lane j <-> r[j] lane i.
 inline void transpose16(__m512 r[16]) {

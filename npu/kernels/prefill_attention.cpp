@@ -110,7 +110,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 inline void online_softmax_avx512(float* s, int64_t nrows, int64_t q0, int64_t t0, float scale, float* m, float* l,
                                   float* alpha, uint16_t* probs) {
     const __m512 vscale = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNone);
-    for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t i = 0; i < (nrows + 3) / 4 * 4; ++i) {        // the rows of the callers' 4-row groups
         float* row = s + i * kBlock;
         const int64_t visible = i < nrows ? std::min<int64_t>(kBlock, q0 + i - t0 + 1) : 0;
         __m512 p0 = _mm512_setzero_ps(), p1 = p0;
@@ -315,10 +315,14 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t v_stri
 void pack_bf16_pairs(const Keys<uint16_t>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, uint32_t* kp,
                      uint32_t* vp) {
     const int64_t lp = padded(len), hd = sh.hd, words = hd / 2;
-    for (int64_t t = 0; t < lp; ++t) {
-        const uint16_t* row = t < len ? keys.row(s, t, 0) + g * hd : nullptr;
-        for (int64_t w = 0; w < words; ++w)
-            kp[w * lp + t] = row ? static_cast<uint32_t>(row[2 * w]) | static_cast<uint32_t>(row[2 * w + 1]) << 16 : 0;
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {               // 16 keys x 16 words, transposed in registers
+        for (int64_t w0 = 0; w0 < words; w0 += 16) {
+            __m512 r[16];
+            for (int64_t i = 0; i < 16; ++i)
+                r[i] = t0 + i < len ? _mm512_loadu_ps(keys.row(s, t0 + i, 0) + g * hd + 2 * w0) : _mm512_setzero_ps();
+            kernels::transpose16(r);
+            for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kp + (w0 + j) * lp + t0, r[j]);
+        }
     }
     for (int64_t t = 0; t < lp; t += 2) {
         uint32_t* dst = vp + t / 2 * hd;
@@ -749,4 +753,5 @@ void paged_prefill_attention_bf16(const uint16_t* q, const int64_t* starts, cons
     paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
                q_stride, scale, threads, path);
 }
+
 }
