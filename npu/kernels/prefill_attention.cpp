@@ -8,10 +8,11 @@
 // pool already holds the chunk's own). The rows are the sequence's last positions: row i attends to keys
 // 0 .. kv_length - rows + i. Query head h reads kv head h / (heads / kv_heads).
 //
-// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for the bfloat16 paths or from pages, V) is packed
-// into the caller's `scratch` (a torch tensor, so the startup profile counts it: keys rounded up to 32 with zeros
-// x kv_heads x head_dim x 4 bytes, plus the V rows from pages); (2) tasks of 16 query rows of one head, costliest
-// first (the causal mask makes a task's cost grow with its position), dynamically over torch's OpenMP threads.
+// Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for the bfloat16 paths or from pages,
+// V) is packed into the caller's `scratch` (a torch tensor, so the startup profile counts it: keys rounded up to 32
+// with zeros x kv_heads x head_dim x 4 bytes, plus the V rows from pages); (2) tasks of 16 query rows of one head,
+// costliest first (the causal mask makes a task's cost grow with its position), dynamically over torch's OpenMP
+// threads.
 //
 // Four paths compute the same thing (the caller picks one; tests run each against float64 attention):
 //   kPortable  plain loops, both dtypes (bf16 widened): any CPU, any head_dim.
@@ -753,5 +754,4 @@ void paged_prefill_attention_bf16(const uint16_t* q, const int64_t* starts, cons
     paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
                q_stride, scale, threads, path);
 }
-
 }
