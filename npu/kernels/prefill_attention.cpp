@@ -238,19 +238,28 @@ void task_portable(const T* q, const float* kt, const T* v, int64_t v_stride, in
 }
 
 #if defined(__AVX512F__)
+// The start of a vector-path task: its query rows of head h copied into `rows` ([kRows][hd], the rows past nrows
+// zeros, so a 4-row group reads no garbage), and its accumulator, running max and sum reset.
+template <typename T>
+inline void begin_task(const T* q, int64_t q0, int64_t nrows, int64_t h, const Shape& sh, T* rows, float* o, float* m,
+                       float* l) {
+    const int64_t hd = sh.hd;
+    for (int64_t i = 0; i < kRows; ++i) {
+        if (i < nrows) std::memcpy(rows + i * hd, q + (q0 + i) * sh.q_stride + h * hd, hd * sizeof(T));
+        else std::memset(rows + i * hd, 0, hd * sizeof(T));
+    }
+    std::fill(o, o + kRows * hd, 0.0f);
+    std::fill(m, m + kRows, kNone);
+    std::fill(l, l + kRows, 0.0f);
+}
+
 // The float32 task with AVX-512 register blocks; head_dim % 64 == 0.
 void task_avx512(const float* q, const float* kt, const float* v, int64_t v_stride, int64_t lp, int64_t shift,
                  int64_t q0, int64_t nrows, int64_t h, const Shape& sh, float* out) {
     alignas(64) float qf[kRows * kMaxHead], o[kRows * kMaxHead], s[kRows * kBlock];
     float m[kRows], l[kRows], alpha[kRows];
     const int64_t hd = sh.hd;
-    for (int64_t i = 0; i < kRows; ++i) {
-        if (i < nrows) std::memcpy(qf + i * hd, q + (q0 + i) * sh.q_stride + h * hd, hd * sizeof(float));
-        else std::memset(qf + i * hd, 0, hd * sizeof(float));
-    }
-    std::fill(o, o + kRows * hd, 0.0f);
-    std::fill(m, m + kRows, kNone);
-    std::fill(l, l + kRows, 0.0f);
+    begin_task(q, q0, nrows, h, sh, qf, o, m, l);
     const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
     const int64_t row_groups = (nrows + 3) / 4;
     for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
@@ -372,13 +381,7 @@ void task_avx512_bf16(const uint16_t* q, const uint32_t* kp, const uint32_t* vp,
     alignas(64) uint16_t probs[kRows * kBlock];
     float m[kRows], l[kRows], alpha[kRows];
     const int64_t hd = sh.hd, words = hd / 2;
-    for (int64_t i = 0; i < kRows; ++i) {
-        if (i < nrows) std::memcpy(qw + i * words, q + (q0 + i) * sh.q_stride + h * hd, hd * sizeof(uint16_t));
-        else std::memset(qw + i * words, 0, hd * sizeof(uint16_t));
-    }
-    std::fill(o, o + kRows * hd, 0.0f);
-    std::fill(m, m + kRows, kNone);
-    std::fill(l, l + kRows, 0.0f);
+    begin_task(q, q0, nrows, h, sh, reinterpret_cast<uint16_t*>(qw), o, m, l);
     const int64_t pos0 = shift + q0, last = pos0 + nrows - 1;
     const int64_t row_groups = (nrows + 3) / 4;
     for (int64_t t0 = 0; t0 <= last; t0 += kBlock) {
