@@ -187,3 +187,12 @@ def triton_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     stack = QuantizedWeight(weight.name, weight.values[None], weight.scale[None], weight.block)
     ends = torch.full((1,), rows.shape[0], dtype=torch.int32, device=rows.device)
     return triton_grouped_gemm(rows, stack, ends).view(*x.shape[:-1], -1)
+
+
+def triton_grouped_linear(x: torch.Tensor, blocks: QuantizedWeight) -> torch.Tensor:
+    """x [n, G, in]: x[:, g] @ blocks[g]^T for each of the G row blocks of one matrix, read as stored
+    (QuantizedWeight.row_blocks) -> [n, G, out]; DeepSeek V4's grouped output projection wo_a, in one launch."""
+    n, groups, width = x.shape
+    rows = x.transpose(0, 1).reshape(groups * n, width)          # group after group, as the kernel takes rows
+    ends = torch.arange(1, groups + 1, device=x.device, dtype=torch.int32) * n
+    return triton_grouped_gemm(rows, blocks, ends).view(groups, n, -1).transpose(0, 1)

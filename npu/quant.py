@@ -53,6 +53,24 @@ class QuantizedWeight:
             out[lo:lo + step] = self._dequantize(self.values[lo:lo + step], self.scale[lo:lo + step], dtype)
         return out
 
+    def row_blocks(self, groups: int) -> "QuantizedWeight | None":
+        """A matrix [groups * r, in] as the stack of its `groups` row blocks [groups, r, in] (each block's values
+        and scales, no copy of the values), what a grouped GEMM reads as stored; None where an FP8 scale block
+        would straddle two row blocks (neither r nor the scale block divides the other). FP4 scales are per row."""
+        if self.values.dim() != 2 or self.values.shape[0] % groups:
+            raise ValueError(f"{self.name}: {tuple(self.values.shape)} is not {groups} blocks of rows")
+        rows = self.values.shape[0] // groups
+        values = self.values.view(groups, rows, self.values.shape[1])
+        if self.values.dtype == torch.float4_e2m1fn_x2:
+            return QuantizedWeight(self.name, values, self.scale.view(groups, rows, -1), self.block)
+        if rows % self.block and self.block % rows:
+            return None
+        # block j of row block g covers rows g * rows + j * block ...: one scale row each, as both sizes divide
+        first = torch.arange(groups, device=self.scale.device)[:, None] * rows
+        index = (first + torch.arange(0, rows, self.block, device=self.scale.device)[None]) // self.block
+        return QuantizedWeight(self.name, values, self.scale[index.flatten()].view(groups, index.shape[1], -1),
+                               self.block)
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The dequantized shape: FP4 packs two values per stored byte."""

@@ -67,13 +67,16 @@ def pool_windows(rows: torch.Tensor, ok: torch.Tensor, ratio: int, width: int, o
 
 class Attention:
     """The attention sub-layer; weights come from `w(name)` (dense, in the compute dtype) and projections from
-    `linear(x, name)` (x W^T, which may read a quantized W as stored)."""
+    `linear(x, name)` (x W^T, which may read a quantized W as stored) and `grouped_linear(x, name)` (x [n, G, in],
+    each group through its block of rows of W: wo_a)."""
 
     def __init__(self, layout: DeepseekV4Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
                  ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor],
-                 linear: Callable[[torch.Tensor, str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
-        self.lay, self.ratios, self.kinds, self.ropes, self.w, self.linear, self.io, self.dtype = (
-            layout, ratios, kinds, ropes, w, linear, io, dtype)
+                 linear: Callable[[torch.Tensor, str], torch.Tensor],
+                 grouped_linear: Callable[[torch.Tensor, str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
+        self.lay, self.ratios, self.kinds, self.ropes, self.w, self.io, self.dtype = (
+            layout, ratios, kinds, ropes, w, io, dtype)
+        self.linear, self.grouped_linear = linear, grouped_linear
         self.csa = min(kinds)
 
     def rotations(self, plan: StepPlan) -> dict[object, Rotation]:
@@ -112,9 +115,7 @@ class Attention:
                 for group in plan.groups]                                   # [S * Q, H, d] each, in flat order
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = rope.apply(out, inverse=True)
-        groups = lay.o_groups
-        wo_a = w(p + "wo_a.weight").view(groups, lay.o_lora_rank, -1)         # [G, rank, H d / G]
-        grouped = torch.einsum("ngi,gri->ngr", out.reshape(out.shape[0], groups, -1), wo_a)
+        grouped = self.grouped_linear(out.reshape(out.shape[0], lay.o_groups, -1), p + "wo_a.weight")   # [n, G, rank]
         return self.linear(grouped.flatten(1), p + "wo_b.weight")
 
     def _compress(self, layer: int, prefix: str, kind: Compression, state: str, out: str, width: int,

@@ -48,7 +48,7 @@ from npu.deepseek_v4.moe import (
 from npu.deepseek_v4.mtp import STALE_STEPS, Fed, MtpHistory, catch_up_rows, feed_tokens, flat_starts
 from npu.deepseek_v4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.deepseek_v4.rope import Rotation, layer_ropes
-from npu.grouped_gemm_triton import grouped_gemm_applies, triton_linear
+from npu.grouped_gemm_triton import grouped_gemm_applies, triton_grouped_linear, triton_linear
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
 from npu.step import SeqStep, StepBatch
@@ -90,9 +90,13 @@ class DeepseekV4Runner(ModelRunner):
         # On an accelerator where Triton runs: FP8 linears read as stored by the same kernel (one group), never
         # dequantized whole (self.linear).
         self.linears_as_stored = False
+        # ... and wo_a, whose o_groups row blocks each project one group of heads, as a stack of those matrices by
+        # the weight's name (QuantizedWeight.row_blocks; None where its scale blocks straddle two row blocks: then
+        # dequantized for the step).
+        self.row_blocks: dict[str, QuantizedWeight | None] = {}
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
-                                   self.weight, self.linear, self.io, self.dtype)
+                                   self.weight, self.linear, self.grouped_linear, self.io, self.dtype)
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -137,11 +141,21 @@ class DeepseekV4Runner(ModelRunner):
         if self.device.type != "cpu" and self.place.expert == 1:   # routed experts as one grouped GEMM per layer
             self.expert_stacks = stack_experts(held)
             self.expert_gemm = expert_gemm(self.device, self.dtype)
-        self.linears_as_stored = self.device.type != "cpu" and grouped_gemm_applies(self.device, self.dtype)
         self.params = held
+        self.linears_as_stored, self.row_blocks = False, {}
+        if self.device.type != "cpu" and grouped_gemm_applies(self.device, self.dtype):
+            self.read_linears_as_stored()
+
+    def read_linears_as_stored(self) -> None:
+        """From now on the quantized linears run through the grouped kernel as stored (self.linear), and each wo_a
+        as its o_groups row blocks (self.grouped_linear): what install_weights picks where Triton runs."""
+        self.linears_as_stored = True
+        self.row_blocks = {name: w.row_blocks(self.model.layout.o_groups) for name, w in self.params.items()
+                           if name.endswith("attn.wo_a.weight") and isinstance(w, QuantizedWeight)}
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        held = [*self.params.values(), *(w for stack in self.expert_stacks.values() for w in stack)]
+        held = [*self.params.values(), *(w for stack in self.expert_stacks.values() for w in stack),
+                *(b for b in self.row_blocks.values() if b is not None)]     # their values are views: counted once
         return [t for w in held for t in ((w.values, w.scale) if isinstance(w, QuantizedWeight) else (w,))]
 
     def weight(self, name: str) -> torch.Tensor:
@@ -156,6 +170,15 @@ class DeepseekV4Runner(ModelRunner):
         if self.linears_as_stored and isinstance(w, QuantizedWeight):
             return triton_linear(x, w)
         return F.linear(x, self.weight(name))
+
+    def grouped_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x [n, G, in] -> [n, G, out]: group g through row block g of the weight `name` ([G * out, in]). Where
+        linears are read as stored, a quantized weight goes to the grouped kernel as its G row blocks (one launch,
+        nothing dequantized); else the weight as self.weight gives it, in one batched matmul."""
+        blocks = self.row_blocks.get(name)
+        if blocks is not None:
+            return triton_grouped_linear(x, blocks)
+        return torch.einsum("ngi,gri->ngr", x, self.weight(name).view(x.shape[1], -1, x.shape[-1]))
 
     # -- model -------------------------------------------------------------------------------------
     def _moe(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, worst_case: bool,

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's interpreter")]
 triton = pytest.importorskip("triton")
 
-from npu.grouped_gemm_triton import group_tiles, triton_grouped_gemm  # noqa: E402
+from npu.grouped_gemm_triton import group_tiles, triton_grouped_gemm, triton_grouped_linear  # noqa: E402
 from npu.quant import QuantizedWeight, quantize_fp4, quantize_fp8  # noqa: E402
 
 
@@ -78,3 +78,36 @@ def test_rows_that_do_not_fit_the_weight_are_refused():
     held = stack([torch.randn(8, 64)], "fp4", 32)
     with pytest.raises(ValueError, match=r"rows have 32 columns, the weight \(1, 8, 32\) \(fp4\)"):
         triton_grouped_gemm(torch.randn(4, 32), held, torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt,rows,block", [("fp8", 64, 32), ("fp8", 16, 32), ("fp4", 24, 32)],
+                         ids=["fp8_blocks_in_groups", "fp8_groups_in_a_block", "fp4"])
+def test_one_matrix_as_its_row_blocks_projects_each_group_with_its_block(fmt, rows, block):
+    """DeepSeek V4's wo_a: one quantized matrix [G * r, in] whose row block g projects group g of the input, read
+    as stored as G groups of the kernel: equal to x[:, g] @ W[g r:(g + 1) r]^T with W dequantized whole, whether
+    the FP8 scale blocks hold several row blocks or a row block several scale blocks."""
+    groups, n, width = 4, 5, 96
+    gen = torch.Generator().manual_seed(rows)
+    dense = torch.randn(groups * rows, width, generator=gen) * 0.3
+    values, scale = quantize_fp8(dense, block) if fmt == "fp8" else quantize_fp4(dense)
+    weight = QuantizedWeight("wo_a", values, scale, block)
+    blocks = weight.row_blocks(groups)
+    assert blocks is not None and blocks.values.shape[:2] == (groups, rows)
+    assert blocks.values.data_ptr() == weight.values.data_ptr()          # a view: the values are not copied
+    assert torch.equal(blocks.dequantize(torch.float32), weight.dequantize(torch.float32).view(groups, rows, width))
+    x = torch.randn(n, groups, width, generator=gen)
+    got = triton_grouped_linear(x, blocks)
+    want = torch.einsum("ngi,gri->ngr", x.double(), weight.dequantize(torch.float64).view(groups, rows, width))
+    assert got.shape == (n, groups, rows)
+    assert torch.allclose(got.double(), want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+
+
+def test_row_blocks_that_straddle_a_scale_block_are_refused():
+    """48-row blocks under 32-row FP8 scale blocks: a scale block would cover two row blocks' rows, so the matrix
+    is not a stack the kernel can read (the runner dequantizes it instead); a row count the groups do not divide is
+    an error."""
+    values, scale = quantize_fp8(torch.randn(4 * 48, 64), 32)
+    weight = QuantizedWeight("wo_a", values, scale, 32)
+    assert weight.row_blocks(4) is None
+    with pytest.raises(ValueError, match="not 5 blocks of rows"):
+        weight.row_blocks(5)
