@@ -74,6 +74,26 @@ def test_kernel_equals_attention_over_gathered_pages(dtype, tol, heads, kv_heads
     assert (out.float() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(12, 2, 64, 16), (16, 4, 64, 8), (16, 2, 128, 32),
+                                                                    (7, 7, 64, 16), (32, 2, 128, 16)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_unwritten_rows_of_each_last_page_never_reach_an_output(dtype, tol, heads, kv_heads, head_dim, block_size):
+    """The one-pass AVX-512 path (head_dim 64 / 128) reads 16-key blocks: NaN in the K and V rows past each row's
+    length on its last page (a block's tail, pages of 8 keys, heads in groups of 1 to 16 per kv head) stays out of
+    the scores and the sums; the outputs are the reference's, whatever the thread count."""
+    query, pool, table, lengths = scattered(dtype, heads, kv_heads, head_dim, block_size, seed=3)
+    for r, n in enumerate(LENGTHS):
+        last = int(table[r, (n - 1) // block_size])
+        pool[2 * last:2 * last + 2, n % block_size or block_size:] = float("nan")
+    op = kernel(dtype, heads, kv_heads, head_dim, block_size)
+    if op.tiles:
+        op = PagedDecodeAttention(load(), dtype, heads, kv_heads, head_dim, block_size, tiles=False)
+    one, two = (on_threads(n, op, query, pool, table, lengths) for n in (1, 2))
+    want = reference(query, pool, table, lengths, kv_heads)
+    assert torch.isfinite(two).all() and torch.equal(one, two)
+    assert (two.float() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(8, 2, 64, 16), (12, 2, 64, 32), (16, 2, 128, 32),
                                                                     (32, 2, 64, 16), (6, 6, 128, 16)])
 def test_the_amx_path_equals_attention_over_gathered_pages(heads, kv_heads, head_dim, block_size):
