@@ -85,12 +85,18 @@ def _run_all(commands: dict[str, list[str]]) -> None:
         raise RuntimeError(failed[0])
 
 
-def build() -> Path:
-    """The compiled library's path, compiling it first when the cache has none. Raises RuntimeError naming
-    what is missing (the compiler, a writable cache directory) or what the compiler said."""
+def find_compiler() -> str:
+    """$CXX, else g++ or c++ on PATH; RuntimeError when there is none."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    return compiler
+
+
+def build() -> Path:
+    """The compiled library's path, compiling it first when the cache has none. Raises RuntimeError naming
+    what is missing (the compiler, a writable cache directory) or what the compiler said."""
+    compiler = find_compiler()
     key = (compiler, cache_dir())
     try:
         if key not in _built or not _built[key].exists():   # each runner asks twice (attention, norms)
