@@ -68,8 +68,8 @@ class QuantizedWeight:
         # block j of row block g covers rows g * rows + j * block ...: one scale row each, as both sizes divide
         first = torch.arange(groups, device=self.scale.device)[:, None] * rows
         index = (first + torch.arange(0, rows, self.block, device=self.scale.device)[None]) // self.block
-        return QuantizedWeight(self.name, values, self.scale[index.flatten()].view(groups, index.shape[1], -1),
-                               self.block)
+        picked = self.scale.view(torch.uint8)[index.flatten()].view(self.scale.dtype)   # bytes: indexable anywhere
+        return QuantizedWeight(self.name, values, picked.view(groups, index.shape[1], -1), self.block)
 
     @property
     def shape(self) -> tuple[int, ...]:
