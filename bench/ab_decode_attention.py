@@ -118,7 +118,8 @@ def main() -> None:
             for label in fns:
                 per_step = sum(calls[label]) / len(steps[label]) * 1e3
                 print(f"{label}: step median {statistics.median(steps[label]) * 1e3:.2f} ms; attention {per_step:.2f} "
-                      f"ms per step, {statistics.median(calls[label]) * 1e3:.3f} ms per layer call (median)")
+                      f"ms per step, {statistics.median(calls[label]) * 1e3:.3f} ms per layer call (median of "
+                      f"{len(calls[label])} calls in {len(steps[label])} steps)")
             if args.repeat and captured:
                 query, planes, pages, lengths, kw = captured[0]
                 for label, fn in fns.items():
