@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from profile_decode_floor import filled_rows  # noqa: E402   (bench/, beside this script)
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from npu.cpu_kernels import COMPILE_FLAGS, KERNELS, find_compiler  # noqa: E402
@@ -74,12 +75,9 @@ def main() -> None:
             fns[label] = fn
         if attend.tiles:
             attend.tiles = False          # the vector kernels are what the builds differ in
-        bs = runner.block_size
-        per_row = -(-(args.context + args.steps * len(fns) + 1) // bs)
-        runner.allocate_pools({"kv": args.batch * per_row}, 1)
-        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(args.batch)]
         rng = random.Random(0)
         vocab = min(1000, rc.model.layout.vocab_size)
+        tables = filled_rows(runner, args.batch, args.context, args.steps * len(fns), rng)
         calls: dict[str, list[float]] = {label: [] for label in fns}
         steps: dict[str, list[float]] = {label: [] for label in fns}
         current = [""]
@@ -94,12 +92,6 @@ def main() -> None:
             return out
 
         with torch.inference_mode():
-            for first in range(0, args.batch, 8):                    # prefill the rows, 8 at a time
-                rows = range(first, min(first + 8, args.batch))
-                runner.execute(StepBatch(
-                    [SeqStep(f"s{i}", [rng.randrange(3, vocab) for _ in range(args.context)], 0, {"kv": tables[i]},
-                             sample=False) for i in rows],
-                    new_pages={"kv": [p for i in rows for p in tables[i]]}))
             runner.paged_decode = timed
             context = args.context
             for s in range(args.steps):

@@ -61,6 +61,23 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e9
 
 
+def filled_rows(runner: Qwen3Runner, batch: int, context: int, decode_steps: int, rng: random.Random) -> list[list[int]]:
+    """The runner's pool sized for `batch` rows of `context` tokens plus `decode_steps` more, each row's pages one
+    after another (as after a prefill), and the rows prefilled with random ids, 8 at a time; their page tables."""
+    per_row = -(-(context + decode_steps + 1) // runner.block_size)
+    runner.allocate_pools({"kv": batch * per_row}, 1)
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
+    vocab = min(1000, runner.model.layout.vocab_size)
+    with torch.inference_mode():
+        for first in range(0, batch, 8):
+            rows = range(first, min(first + 8, batch))
+            runner.execute(StepBatch(
+                [SeqStep(f"s{i}", [rng.randrange(3, vocab) for _ in range(context)], 0, {"kv": tables[i]},
+                         sample=False) for i in rows],
+                new_pages={"kv": [p for i in rows for p in tables[i]]}))
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Qwen3 checkpoint directory (config.json + safetensors)")
@@ -76,12 +93,9 @@ def main() -> None:
     rc = load_runtime_config(["+model=hf", f"model.weights={args.model}", "device=cpu"])
     runner = Qwen3Runner(rc.model, "cpu")
     runner.load_weights()
-    bs = runner.block_size
-    per_row = -(-(args.context + args.steps + 1) // bs)
-    runner.allocate_pools({"kv": args.batch * per_row}, 1)
-    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(args.batch)]
     rng = random.Random(0)
     vocab = min(1000, rc.model.layout.vocab_size)
+    tables = filled_rows(runner, args.batch, args.context, args.steps, rng)
 
     times: dict[str, float] = defaultdict(float)
     flops: dict[str, float] = defaultdict(float)
@@ -101,12 +115,6 @@ def main() -> None:
         return out
 
     with torch.inference_mode():
-        for first in range(0, args.batch, 8):                    # prefill the rows, 8 at a time
-            rows = range(first, min(first + 8, args.batch))
-            runner.execute(StepBatch(
-                [SeqStep(f"s{i}", [rng.randrange(3, vocab) for _ in range(args.context)], 0, {"kv": tables[i]},
-                         sample=False) for i in rows],
-                new_pages={"kv": [p for i in rows for p in tables[i]]}))
         attend = runner.paged_decode
         if attend is None:
             raise SystemExit("this runner has no paged decode attention on this device and dtype: nothing to time")

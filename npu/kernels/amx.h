@@ -1,7 +1,7 @@
 // What the AMX paths of the CPU kernels share: whether the tile unit is there (compiled for and granted by Linux),
-// a tile configuration, the bfloat16 pair packing of probabilities and a coarse exp2; and a 16 x 16 transpose of
-// float32 / 32-bit lanes that the AVX-512 paths use too. Included by sources built
-// with -march=native, so APPLIANCE_AMX is defined exactly when this CPU has AMX-BF16 (and AVX512-BF16).
+// a tile configuration, the bfloat16 pair packing of probabilities and a coarse exp2; and what the AVX-512 paths
+// use too: a float32 exp of non-positive inputs and a 16 x 16 transpose of float32 / 32-bit lanes. Included by
+// sources built with -march=native, so APPLIANCE_AMX is defined exactly when this CPU has AMX-BF16 (and AVX512-BF16).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -70,6 +70,24 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
 #include <immintrin.h>
 
 namespace kernels {
+
+// e^x for x <= 0 in float32 (x below -87 gives about 1e-38, not 0: masked keys are zeroed by the caller):
+// 2^n x e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor series to f^6 (relative error ~1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 // r[i] lane j <-> r[j] lane i.
 inline void transpose16(__m512 r[16]) {

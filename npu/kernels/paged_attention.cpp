@@ -34,6 +34,9 @@ namespace {
 
 using kernels::narrow;
 using kernels::widen;
+#if defined(__AVX512F__)
+using kernels::exp_nonpositive;
+#endif
 
 // Start loading a page's K (which = 0) or V (1) plane while the one before it is read: pages are scattered,
 // so the hardware prefetcher stops at each page's end.
@@ -181,24 +184,6 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
 // process: 6 x 768 bf16 at 64 rows x ~250 keys 1.26 -> 0.74-0.79 ms per layer call (the step 34.4 -> 31.4 ms); 12 x
 // 1024 bf16 at 32 rows 1.00 -> 0.80 ms; 6 x 768 float32 1.28 -> 1.19 ms. Over cached rows alone: 0.74 -> 0.53 ms.
 constexpr int64_t kPagesAhead = 1;      // the page whose lines are requested while this one is read
-
-// e^x for x <= 0 to float32 precision (degree-6 polynomial on |f| <= ln2 / 2, relative error below 1e-7);
-// anything below -103 gives 0 (a masked key's -1e30 included).
-inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 // 16 float32 of a bfloat16 or float32 row.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -405,7 +390,7 @@ void decode_attention_one_pass(const T* query, const T* pool, const int64_t* pag
                                 const float alpha = std::exp(top[h] - m);
                                 top[h] = m;
                                 const __m512 e =
-                                    _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+                                    _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(m))));
                                 sum[h] = sum[h] * alpha + _mm512_reduce_add_ps(e);
 #if defined(__AVX512BF16__)
                                 if constexpr (pairs) {

@@ -41,6 +41,9 @@ namespace {
 
 using kernels::narrow;
 using kernels::widen;
+#if defined(__AVX512F__)
+using kernels::exp_nonpositive;
+#endif
 #if defined(APPLIANCE_AMX)
 using kernels::bf16_pairs;
 using kernels::exp2_coarse;
@@ -88,24 +91,6 @@ inline void online_softmax(float* s, int64_t nrows, int64_t q0, int64_t t0, floa
 }
 
 #if defined(__AVX512F__)
-// e^x for x <= 0 in float32 (x below -87 gives about 1e-38, not 0: masked keys are zeroed by the caller):
-// 2^n x e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor series to f^6 (relative error ~1e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // online_softmax in AVX-512 registers (a 32-key row is two vectors). With `probs` set (the bfloat16 paths) the
 // probabilities go there as bfloat16 rows of 32, else back into s.
 inline void online_softmax_avx512(float* s, int64_t nrows, int64_t q0, int64_t t0, float scale, float* m, float* l,
