@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -67,15 +67,18 @@ class StepHooks:
 
 
 @contextlib.contextmanager
-def loop_held(runner: StepHooks) -> Iterator[None]:
+def loop_held(runner: StepHooks, then: Callable[[], Any] | None = None) -> Iterator[Any]:
     """Inside the block the engine loop waits inside its next step (entered before the block runs); nothing
-    is computed, sampled or aborted until the block exits. Needs a request that makes the loop step."""
+    is computed, sampled or aborted until the block exits. Needs a request that makes the loop step: one already
+    running, or `then`, called once the hold is armed (the block gets what it returns), so the held step is that
+    request's first however long the caller took to get here."""
     runner.held.clear()
     runner.release.clear()
     runner.hold.set()
     try:
+        started = then() if then is not None else None
         assert runner.held.wait(HOLD_TIMEOUT_S), "the engine loop never entered a step"
-        yield
+        yield started
     finally:
         runner.hold.clear()
         runner.release.set()

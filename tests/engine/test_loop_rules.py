@@ -129,13 +129,15 @@ def test_a_request_still_running_at_shutdown_ends_aborted_and_gives_back_its_blo
     stopping = threading.Thread(target=eng.shutdown)
     try:
         prompt = eng.tokenizer.encode(PROMPT_TEXT)
-        handle = eng.submit("running", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
-        deltas = [handle.outputs.get(timeout=60)]
-        with loop_held(runner):            # the loop waits inside one of its steps
+        # the loop waits inside the request's first step (armed before the submit: a fast loop cannot finish all
+        # 40 tokens while this thread is descheduled, which a busy machine once did)
+        with loop_held(runner, lambda: eng.submit("running", prompt, SamplingParams(max_tokens=40,
+                                                                                    ignore_eos=True))) as handle:
             stopping.start()
             while eng.ready:
                 time.sleep(0.01)
             time.sleep(0.2)                # (shutdown stops the loop right after it stops admitting)
+        deltas = [handle.outputs.get(timeout=60)]
         while not deltas[-1].finished:
             deltas.append(handle.outputs.get(timeout=60))
         stopping.join(60)
