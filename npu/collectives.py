@@ -12,6 +12,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+# One tensor gathered into one: torch 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there);
+# the GPU host's torch 2.11 has only the older name.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Collective:
     """Sum, gather and exchange over the ranks of `group` (size ranks; this one is `rank` among them)."""
@@ -46,4 +50,17 @@ class Collective:
         recv_counts[i] from rank i, in rank order."""
         out = t.new_empty((sum(recv_counts), *t.shape[1:]))
         dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (the same shape on each), concatenated along the first dimension in rank order."""
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        ALL_GATHER_SINGLE(out, t.contiguous(), group=self.group)
+        return out
+
+    def exchange_blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """t [size x m, ...]: block i (rows i m .. (i + 1) m) goes to rank i; returns the block each rank sent this
+        one, in rank order. Equal blocks: no count crosses to the host."""
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t.contiguous(), group=self.group)
         return out

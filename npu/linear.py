@@ -50,6 +50,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from appliance.core.errors import EnvironmentSettingError
+
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
 # MKL's packed copy has a fixed part of about 8 MB whatever the weight's size (a 64 x 128 weight packs into
@@ -79,7 +81,8 @@ def cpu_fp32_gemm() -> Fp32Gemm:
     torch (F.linear) where the library is not in this torch build."""
     chosen = os.environ.get(FP32_GEMM_SWITCH) or "onednn"
     if chosen not in ("mkl", "onednn", "torch"):
-        raise ValueError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch")
+        raise EnvironmentSettingError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch (unset it for "
+                                      f"the measured default)")
     if chosen == "mkl" and not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
         return "torch"
     if chosen == "onednn" and not (torch.backends.mkldnn.is_available()

@@ -33,7 +33,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.parallel import RankPlace, TensorSlice
 from appliance.core.step_limits import StepShape
 from npu.collectives import Collective
-from npu.step import SeqStep, StepBatch
+from npu.step import SeqStep, StepBatch, step_rows
 from npu.weights import as_expected_dtype, held_shapes, load_state_dict, random_state_dict
 
 
@@ -258,4 +258,4 @@ class ModelRunner(ABC):
                 tables[spec.name] = [self.scratch_page(spec.name, (i + j) % self.num_scratch) for j in range(pages)]
             seqs.append(SeqStep(f"{step.name}-{i}", [0] * (s.num_tokens - s.draft_tokens), s.start_pos, tables,
                                 num_draft=s.draft_tokens))
-        return StepBatch(seqs, worst_case=True)
+        return StepBatch(seqs, worst_case=True, expert_rows=step_rows(seqs))   # every rank profiles the same step

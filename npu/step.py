@@ -62,6 +62,16 @@ class StepBatch:
     # Speculative decoding: drafting passes of the MTP layer this step, the most drafts any row of ANY data-parallel
     # rank verifies (expert-parallel ranks join each pass's expert exchange in lockstep, with or without rows).
     draft_passes: int = 0
+    # Expert parallel: the most rows any data-parallel rank computes this step (step_rows of its batch), the bound of
+    # every expert exchange's fixed shapes, known to every rank without a collective (0: not given; the exchange
+    # then reads its counts on the host).
+    expert_rows: int = 0
+
+
+def step_rows(seqs: list[SeqStep]) -> int:
+    """The rows a batch computes in its main pass (its tokens and the drafts it verifies), which bounds every pass of
+    the step: an MTP pass computes at most as many, a drafting pass one per drafting row."""
+    return sum(len(s.token_ids) + s.num_draft for s in seqs)
 
 
 class StepExecutor(Protocol):

@@ -42,3 +42,7 @@ class CheckpointError(StartupError, ValueError):
 
 class TokenizerError(StartupError, ValueError):
     """A tokenizer.json that is missing, cannot be parsed, or has more ids than the model's vocabulary."""
+
+
+class EnvironmentSettingError(StartupError, ValueError):
+    """An APPLIANCE_* environment variable set to a value it does not take (the message names it and the values)."""

@@ -2,7 +2,8 @@
 
 Several data-parallel ranks (KV partitions) each get the batch of their own sequences; the runner returns the logits
 in partition order, so the scheduled sequences are put in that order first. Every rank gets a batch every step
-(possibly empty), with the new pages of its partition and the step's draft passes.
+(possibly empty), with the new pages of its partition, the step's draft passes and the most rows any rank
+computes (the bound of an expert-parallel exchange's fixed shapes).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import wants_prompt_logits
 from appliance.engine.scheduler import ScheduledSeq
 from appliance.engine.sequence import Sequence
-from npu.step import SeqStep, StepBatch
+from npu.step import SeqStep, StepBatch, step_rows
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ def build_step(scheduled: list[ScheduledSeq], kv: KvCacheManager, new_pages: lis
                        prompt_len=s.seq.num_prompt_tokens, num_draft=s.num_draft)
         batches[kv.partition_of(s.seq.request_id) if parts > 1 else 0].seqs.append(step)
         steps.append((s.seq, step))
+    expert_rows = max(step_rows(b.seqs) for b in batches)
     for batch in batches:
         batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
+        batch.expert_rows = expert_rows
     samplers = [s for s in scheduled if s.samples]
     plain = [i for i, s in enumerate(samplers) if not s.num_draft]
     return StepInput(scheduled, batches, steps, samplers, plain, [samplers[i] for i in plain])

@@ -14,15 +14,23 @@ Two ways to run the routed experts, the same sums:
   Triton runs; elsewhere the stack is dequantized for the step and torch._grouped_mm runs it (torch_grouped_gemm),
   or, where the device has no grouped GEMM for the dtype, each expert runs over every row and keeps its own
   (masked_grouped_gemm: the same static shapes, E times the arithmetic).
+
+With expert parallel (each rank holds a contiguous share of the experts) the pairs travel to their experts' ranks
+and back: exchange_experts by counts (the ranks swap how many pairs go where and the host reads it, for the
+all-to-all's split sizes: the CPU's way, and an accelerator's for large steps), exchange_experts_fixed in fixed
+shapes bounded by the step's rows (no host sync: an accelerator's decode steps). Both give each token what
+routed_experts gives it on one device.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from appliance.core.errors import EnvironmentSettingError
 from appliance.core.parallel import split
 from npu.collectives import Collective
 from npu.deepseek_v4.expert_stacks import Held
@@ -89,17 +97,20 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
 
 def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                     limit: float | None, num_experts: int) -> torch.Tensor:
-    """routed_experts with the experts spread over the ranks of `group` (expert parallel): rank i holds the
-    contiguous experts split(num_experts, size, i) (appliance.core.parallel.RankPlace.experts).
+                     run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     num_experts: int) -> torch.Tensor:
+    """routed_experts with the experts spread over the ranks of `group` (expert parallel), exchanging exactly the
+    pairs each rank needs: rank i holds the contiguous experts split(num_experts, size, i)
+    (appliance.core.parallel.RankPlace.experts), and run_local(rows [P, D], ids [P] global expert ids of this rank)
+    runs them ([P, D]).
 
     Each (token, slot) pair travels to the rank holding its expert and its output comes back (all-to-alls of the
     counts, the hidden rows, the expert ids, and the outputs back): the rows go out sorted by destination rank, each rank runs its experts on
     the rows it received (from every rank, its own included), and the outputs return in the same order. The
     origin then weights and sums them exactly as routed_experts does, so the result does not depend on where
     an expert lives. Every rank of the group calls this once per MoE layer, in lockstep, even with no tokens:
-    the others may still send it rows for its experts."""
+    the others may still send it rows for its experts. The counts are read on the host (the all-to-all's split
+    sizes): one sync per layer, nothing on a CPU; exchange_experts_fixed is the accelerator's way for small steps."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     bounds = torch.tensor([split(num_experts, group.size, i)[1] for i in range(group.size)], device=flat.device)
@@ -110,10 +121,65 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     send_counts, recv_counts = send.tolist(), recv.tolist()
     rows = group.all_to_all(h[order // k], send_counts, recv_counts)
     ids = group.all_to_all(flat[order], send_counts, recv_counts)
-    back = group.all_to_all(by_expert(rows, ids, expert, limit), recv_counts, send_counts)
+    back = group.all_to_all(run_local(rows, ids), recv_counts, send_counts)
     pairs = torch.empty_like(back)
     pairs[order] = back
     return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+
+
+# How expert-parallel ranks exchange pairs (read once per runner): auto (the fixed-shape exchange where the runner
+# holds its experts stacked, on an accelerator, for steps within FIXED_EXCHANGE_PAIRS; by counts otherwise), fixed
+# (also on a CPU, stacking its experts there: what the tests run the accelerator's path by) or counts (always).
+EXPERT_EXCHANGE_ENV = "APPLIANCE_EXPERT_EXCHANGE"
+EXPERT_EXCHANGES = ("auto", "fixed", "counts")
+
+
+def expert_exchange_mode() -> str:
+    mode = os.environ.get(EXPERT_EXCHANGE_ENV, "auto")
+    if mode not in EXPERT_EXCHANGES:
+        raise EnvironmentSettingError(f"{EXPERT_EXCHANGE_ENV}={mode!r}: expected one of {', '.join(EXPERT_EXCHANGES)} "
+                                      f"(unset it for auto)")
+    return mode
+
+
+# The fixed-shape exchange's buffers hold ranks x row bound x experts per token pairs of hidden rows each way; above
+# this many it would move more than the exchange by counts saves (a decode step of 64 rows, 6 experts per token on
+# 8 ranks is 3,072 pairs, 44 MB of bf16 rows at hidden 7,168; a 4,096-token prefill chunk would be 196,608).
+FIXED_EXCHANGE_PAIRS = 8192
+
+
+def exchange_experts_fixed(group: Collective, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                           w1: Held, w3: Held, w2: Held, limit: float | None, gemm: GroupedGemm, num_experts: int,
+                           capacity: int) -> torch.Tensor:
+    """exchange_experts with no host sync and shapes fixed by `capacity` (the most rows any rank of the group has in
+    this pass, known to every rank from the step: StepBatch.expert_rows), so that nothing waits on the device and a
+    captured graph could replay it. w1, w3, w2: this rank's experts stacked ([E_local, ...], global ids lo..hi).
+
+    1. Every rank pads its rows to `capacity` (padding rows name no expert) and all ranks gather every rank's rows
+       and expert ids (all_gather: equal shapes).
+    2. Each rank runs the pairs whose expert it holds as one grouped GEMM over them sorted by expert (the others
+       sorted after its last expert, past every group's end, and zeroed).
+    3. The pair outputs go back to their rows' ranks in equal blocks (all_to_all), and each rank sums what it got
+       for each pair over the ranks: one rank computed it, the others sent zeros, so the sum is that output exactly.
+       Weighted and summed over a token's slots as routed_experts does: the result does not depend on where an
+       expert lives, nor on which exchange ran.
+    Each way moves size x capacity x k hidden rows (FIXED_EXCHANGE_PAIRS bounds when the runner takes it)."""
+    n, k = experts.shape
+    if n > capacity:
+        raise ValueError(f"expert exchange: {n} rows on this rank but the step's bound is {capacity} "
+                         f"(StepBatch.expert_rows)")
+    lo, hi = split(num_experts, group.size, group.rank)
+    sent_h = h.new_zeros(capacity, h.shape[-1])
+    sent_h[:n] = h
+    sent_e = experts.new_full((capacity, k), num_experts)       # a padding row's pairs: no rank's expert
+    sent_e[:n] = experts
+    every_h = group.all_gather_rows(sent_h)                     # [size x capacity, D], rank order
+    every_e = group.all_gather_rows(sent_e).reshape(-1)         # pair p: row p // k, slot p % k
+    local = torch.where((every_e >= lo) & (every_e < hi), every_e - lo, hi - lo)
+    pairs = grouped_pairs(every_h, local, k, hi - lo, w1, w3, w2, limit, gemm, foreign=True)
+    back = group.exchange_blocks(pairs)                         # block r: rank r's pairs of this rank's rows
+    mine = back.view(group.size, capacity, k, h.shape[-1]).sum(dim=0)[:n]
+    return (mine * weights[..., None].to(h.dtype)).sum(dim=1)
 
 
 def expert_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -142,20 +208,36 @@ def masked_grouped_gemm(rows: torch.Tensor, stack: torch.Tensor, ends: torch.Ten
     return out
 
 
+def grouped_swiglu(rows: torch.Tensor, ends: torch.Tensor, w1: Held, w3: Held, w2: Held, limit: float | None,
+                   gemm: GroupedGemm) -> torch.Tensor:
+    """swiglu of rows sorted by expert, each expert's rows (up to ends[e]) through its w1, w3, w2 of the stacks."""
+    gate, up = gemm(rows, w1, ends), gemm(rows, w3, ends)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gemm(F.silu(gate) * up, w2, ends)
+
+
+def grouped_pairs(h: torch.Tensor, ids: torch.Tensor, per_row: int, num_groups: int, w1: Held, w3: Held, w2: Held,
+                  limit: float | None, gemm: GroupedGemm, foreign: bool = False) -> torch.Tensor:
+    """[P, D]: pair i (row i // per_row of h) through expert ids[i] of the stacks ([num_groups, ...]), with no host
+    sync: the pairs sorted by expert (stably: each expert's rows in pair order), one grouped GEMM per weight, the
+    outputs put back in pair order. foreign: some ids are num_groups (an expert held elsewhere): sorted last, past
+    every group's end, their rows are zeros."""
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids.index_select(0, order)
+    rows = h.index_select(0, order // per_row)
+    out = grouped_swiglu(rows, expert_offsets(sorted_ids, num_groups), w1, w3, w2, limit, gemm)
+    if foreign:                           # rows past the last group's end: the grouped GEMM left them unwritten
+        out = torch.where((sorted_ids < num_groups)[:, None], out, out.new_zeros(()))
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
 def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: Held, w3: Held, w2: Held,
                     limit: float | None, gemm: GroupedGemm) -> torch.Tensor:
     """routed_experts with no host sync: w1, w3 [E, I, D] and w2 [E, D, I] stacked over the experts, held as `gemm`
     reads them (expert_gemm's: as stored)."""
     n, k = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)          # pairs by expert, each expert's rows in pair order
-    rows = h.index_select(0, order // k)
-    ends = expert_offsets(flat.index_select(0, order), w1.shape[0])
-    gate, up = gemm(rows, w1, ends), gemm(rows, w3, ends)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    out = gemm(F.silu(gate) * up, w2, ends)
-    pairs = torch.empty_like(out).index_copy_(0, order, out)
+    pairs = grouped_pairs(h, experts.reshape(-1), k, w1.shape[0], w1, w3, w2, limit, gemm)
     return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
 
 

@@ -25,6 +25,8 @@ the step's block tables on the runtime pools.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -32,15 +34,20 @@ from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, STATE_GROU
 from appliance.core.archs.deepseek_v4.weights import checkpoint_tensors, rank_weights, scale_name, stored_tensors
 from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
-from appliance.core.parallel import RankPlace, TensorSlice
+from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.deepseek_v4.attention import Attention, rms_norm
 from npu.deepseek_v4.expert_stacks import Held, stack_experts
 from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from npu.deepseek_v4.moe import (
+    FIXED_EXCHANGE_PAIRS,
     GroupedGemm,
+    by_expert,
     exchange_experts,
+    exchange_experts_fixed,
+    expert_exchange_mode,
     expert_gemm,
     grouped_experts,
+    grouped_pairs,
     route,
     routed_experts,
     swiglu,
@@ -85,8 +92,13 @@ class DeepseekV4Runner(ModelRunner):
         # On an accelerator: each MoE layer's routed experts stacked (w1, w3, w2 of [E, ...]), by "layers.L.ffn." /
         # "mtp.0.ffn.", held as stored and run by moe.grouped_experts (no host sync) through expert_gemm, the
         # device's grouped GEMM (FP4 / FP8 stacks read as stored where Triton runs).
+        # With expert parallel the stacks hold this rank's experts (global ids lo..hi), and the exchange with the other
+        # ranks is the fixed-shape one (moe.exchange_experts_fixed: no host sync) for steps of at most
+        # FIXED_EXCHANGE_PAIRS pairs, else by counts (moe.EXPERT_EXCHANGE_ENV overrides).
         self.expert_stacks: dict[str, tuple[Held, Held, Held]] = {}
         self.expert_gemm: GroupedGemm | None = None
+        self.expert_exchange = expert_exchange_mode()
+        self.exchange_rows = 0                    # this step's StepBatch.expert_rows
         # On an accelerator where Triton runs: FP8 linears read as stored by the same kernel (one group), never
         # dequantized whole (self.linear).
         self.linears_as_stored = False
@@ -138,8 +150,8 @@ class DeepseekV4Runner(ModelRunner):
             else:
                 held[w.name] = t
         self.expert_stacks = {}
-        if self.device.type != "cpu" and self.place.expert == 1:   # routed experts as one grouped GEMM per layer
-            self.expert_stacks = stack_experts(held)
+        if self.device.type != "cpu" or (self.place.expert > 1 and self.expert_exchange == "fixed"):
+            self.expert_stacks = stack_experts(held)            # routed experts as one grouped GEMM per layer
             self.expert_gemm = expert_gemm(self.device, self.dtype)
         self.params = held
         self.linears_as_stored, self.row_blocks = False, {}
@@ -199,16 +211,37 @@ class DeepseekV4Runner(ModelRunner):
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return w(f"{p}experts.{e}.w1.weight"), w(f"{p}experts.{e}.w3.weight"), w(f"{p}experts.{e}.w2.weight")
 
-        if p in self.expert_stacks and self.expert_gemm is not None:
+        if self.expert_parallel is not None:
+            routed = self._exchange(p, x, weights, experts, expert)
+        elif p in self.expert_stacks and self.expert_gemm is not None:
             routed = grouped_experts(x, weights, experts, *self.expert_stacks[p], lay.swiglu_limit, self.expert_gemm)
-        elif self.expert_parallel is None:
-            routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
         else:
-            routed = exchange_experts(self.expert_parallel, x, weights, experts, expert, lay.swiglu_limit,
-                                      lay.num_experts)
+            routed = routed_experts(x, weights, experts, expert, lay.swiglu_limit)
         shared = swiglu(x, f"{p}shared_experts.w1.weight", f"{p}shared_experts.w3.weight",
                         f"{p}shared_experts.w2.weight", lay.swiglu_limit, self.linear)
         return routed + shared
+
+    def _exchange(self, p: str, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The routed experts of MoE layer p over the expert-parallel ranks: with this rank's experts stacked, the
+        fixed-shape exchange where the step's bound allows it (every rank decides alike: the bound and the mode are
+        the same on each), else the exchange by counts with the stacks as one grouped GEMM; without stacks (a CPU),
+        by counts with each picked expert run on its rows."""
+        group, lay = self.expert_parallel, self.model.layout
+        assert group is not None
+        stacks, gemm, limit = self.expert_stacks.get(p), self.expert_gemm, lay.swiglu_limit
+        if stacks is None or gemm is None:
+            return exchange_experts(group, x, weights, experts, lambda rows, ids: by_expert(rows, ids, expert, limit),
+                                    lay.num_experts)
+        fixed = self.exchange_rows > 0 and (self.expert_exchange == "fixed" or (
+            self.expert_exchange == "auto" and group.size * self.exchange_rows * experts.shape[1] <= FIXED_EXCHANGE_PAIRS))
+        if fixed:
+            return exchange_experts_fixed(group, x, weights, experts, *stacks, limit, gemm, lay.num_experts,
+                                          self.exchange_rows)
+        lo, held = split(lay.num_experts, group.size, group.rank)[0], stacks[0].shape[0]
+        return exchange_experts(group, x, weights, experts,
+                                lambda rows, ids: grouped_pairs(rows, ids - lo, 1, held, *stacks, limit, gemm),
+                                lay.num_experts)
 
     def _hc(self, prefix: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lay = self.model.layout
@@ -242,6 +275,7 @@ class DeepseekV4Runner(ModelRunner):
         """One step under inference mode (as Qwen3Runner.forward): the model is hundreds of tiny ops per layer,
         and no_grad still pays autograd's per-op bookkeeping (about 15% of a tiny-model decode step)."""
         lay = self.model.layout
+        self.exchange_rows = batch.expert_rows
         if not batch.seqs:
             if self.expert_parallel is not None:
                 self._serve_experts_only(batch.draft_passes)

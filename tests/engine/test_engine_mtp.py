@@ -18,6 +18,7 @@ import torch
 
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
+from npu.deepseek_v4.moe import EXPERT_EXCHANGE_ENV
 from npu.deepseek_v4.runner import DeepseekV4Runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -163,9 +164,12 @@ DP2_EP2 = ["device.count=2", "parallel.data_parallel_size=2", "parallel.expert_p
            "parallel.startup_timeout_s=120"]
 
 
-def test_greedy_speculation_on_data_2_expert_2(scripted_drafter):
+@pytest.mark.parametrize("exchange", ["auto", "fixed"])
+def test_greedy_speculation_on_data_2_expert_2(scripted_drafter, monkeypatch, exchange):
     """Both data ranks hold sequences and every step's MTP passes run their expert exchange in lockstep, also on a
-    rank with no verifying row. Rank 0 (this process) drafts from the script, rank 1 with the MTP layer itself."""
+    rank with no verifying row. Rank 0 (this process) drafts from the script, rank 1 with the MTP layer itself.
+    fixed: the exchange in fixed shapes (as on an accelerator), bounded by the step's rows in every pass."""
+    monkeypatch.setenv(EXPERT_EXCHANGE_ENV, exchange)
     batch = prompts(6, 1, 60, seed=17)
     expected = reference(batch)
     scripted_drafter(batch, expected)

@@ -3,7 +3,8 @@
 - Qwen3 tensor parallel 2 (column-parallel qkv / gate / up, row-parallel o / down with all-reduce, kv heads
   split, vocab-parallel head) against tensor parallel 1 and against transformers on the same checkpoint;
 - DeepSeek V4 data parallel 2 x expert parallel 2 (each rank its own sequences and pools, half the routed
-  experts, tokens exchanged all-to-all) against one process, with concurrent requests on both data ranks.
+  experts, tokens exchanged all-to-all: by counts, and in fixed shapes as on an accelerator) against one process,
+  with concurrent requests on both data ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 from appliance.config.compose import load_runtime_config
 from appliance.core.request import SamplingParams
 from appliance.offline import Appliance
+from npu.deepseek_v4 import runner as dsv4_runner
+from npu.deepseek_v4.moe import EXPERT_EXCHANGE_ENV
 from npu.device_group import DeviceGroup
 from tests.engine.test_engine_oracles import NEW_TOKENS, assert_same_greedy, transformers_greedy
 from tests.support.checkpoints import write_tiny_checkpoint
@@ -50,8 +53,12 @@ def test_qwen3_tensor_parallel_2_gives_the_tokens_of_one_rank_and_of_transformer
     assert_same_greedy(work, two, transformers_greedy("Qwen3ForCausalLM", qwen3_checkpoint, work, NEW_TOKENS))
 
 
-def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_both_ranks(monkeypatch,
+@pytest.mark.parametrize("exchange", ["auto", "fixed"])
+def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_both_ranks(monkeypatch, exchange,
                                                                                        one_torch_thread):
+    """auto on a CPU: the exchange by counts, each picked expert run on its rows; fixed: each rank's experts stacked
+    and exchanged in fixed shapes (moe.exchange_experts_fixed), as on an accelerator. The ranks inherit the variable."""
+    monkeypatch.setenv(EXPERT_EXCHANGE_ENV, exchange)
     base = ["+model=dsv4_tiny", "max_model_len=128", "max_num_seqs=4", *ONE_THREAD]
     work = prompts(512, 6, seed=11)
     one = greedy(base, work)
@@ -67,11 +74,20 @@ def test_dsv4_data_2_expert_2_gives_the_tokens_of_one_process_with_requests_on_b
         return execute(self, batches)
 
     monkeypatch.setattr(DeviceGroup, "execute_partitions", recording)
+    fixed_calls = []                    # this process is rank 0: its exchanges in fixed shapes (the bound each used)
+    fixed = dsv4_runner.exchange_experts_fixed
+
+    def counting(*args, **kwargs):
+        fixed_calls.append(args[-1])
+        return fixed(*args, **kwargs)
+
+    monkeypatch.setattr(dsv4_runner, "exchange_experts_fixed", counting)
     dp_ep = base + TWO_RANKS + ["parallel.data_parallel_size=2", "parallel.expert_parallel_size=2"]
     two = greedy(dp_ep, work)
     assert two == one
     assert seen[0] and seen[1] and not seen[0] & seen[1]       # spread over both data ranks, each on one
     assert len(seen[0] | seen[1]) == len(work)
+    assert bool(fixed_calls) == (exchange == "fixed")
 
     # One request alone: the other data rank has no sequence at every step, yet must step (its experts
     # serve the busy rank's tokens), and the tokens still equal one process's.
