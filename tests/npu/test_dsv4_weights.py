@@ -279,9 +279,13 @@ def test_each_expert_parallel_rank_of_full_dsv4_holds_what_mode_plan_estimates_f
     assert held == counts.replicated_bytes + counts.expert_bytes // 16
     experts = {int(n.split(".")[4]) for n in state if ".ffn.experts." in n}
     assert experts == set(range(16 * rank, 16 * rank + 16))
-    runner.set_weights(state)            # what it holds is exactly what it loads
-    assert {n for n in runner.params if ".experts." in n} == {n for n in state if ".experts." in n and
-                                                              n.endswith(".weight")}
+    runner.set_weights(state)            # what it holds is exactly what it loads: off the CPU its experts stacked
+    assert not any(".experts." in n for n in runner.params)
+    assert set(runner.expert_stacks) == {n.split("experts.")[0] for n in state if ".ffn.experts." in n}
+    assert {w.shape[0] for stack in runner.expert_stacks.values() for w in stack} == {16}
+    stacked = [t for stack in runner.expert_stacks.values() for w in stack for t in (w.values, w.scale)]
+    assert sum(t.numel() * t.element_size() for t in stacked) == sum(
+        t.numel() * t.element_size() for n, t in state.items() if ".ffn.experts." in n)
 
 
 RELEASED_CONFIG = {   # config.json of DeepSeek-V4-Flash as published
