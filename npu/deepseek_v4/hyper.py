@@ -9,6 +9,8 @@ The mixing math runs in float32; the streams keep the compute dtype.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -45,9 +47,12 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float,
+           normalize: Callable[[torch.Tensor, int, float], torch.Tensor] = sinkhorn
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [N, hc, D] -> (post [N, hc], comb [N, hc, hc], collapsed sub-layer input [N, D]). Each result
-    is a new tensor, so the + eps and x 2 after the activations run in place."""
+    is a new tensor, so the + eps and x 2 after the activations run in place. normalize: sinkhorn, or the same math
+    in one launch on a GPU (npu.deepseek_v4.sinkhorn_triton)."""
     n, hc, _ = streams.shape
     mixes = F.linear(unweighted_rms(streams.flatten(1).float(), norm_eps), fn.float())
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
@@ -57,7 +62,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post = torch.sigmoid(post_w * post_s + post_b).mul_(2)
     comb = torch.softmax(comb_w.view(n, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1).add_(hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, sinkhorn(comb, iters, hc_eps), collapsed
+    return post, normalize(comb, iters, hc_eps), collapsed
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

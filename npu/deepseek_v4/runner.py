@@ -55,6 +55,7 @@ from npu.deepseek_v4.moe import (
 from npu.deepseek_v4.mtp import STALE_STEPS, Fed, MtpHistory, catch_up_rows, feed_tokens, flat_starts
 from npu.deepseek_v4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.deepseek_v4.rope import Rotation, layer_ropes
+from npu.deepseek_v4.sinkhorn_triton import sinkhorn_for
 from npu.grouped_gemm_triton import grouped_gemm_applies, triton_grouped_linear, triton_linear
 from npu.quant import QuantizedWeight
 from npu.runner import ModelRunner
@@ -106,6 +107,9 @@ class DeepseekV4Runner(ModelRunner):
         # the weight's name (QuantizedWeight.row_blocks; None where its scale blocks straddle two row blocks: then
         # dequantized for the step).
         self.row_blocks: dict[str, QuantizedWeight | None] = {}
+        # The hyper-connections' Sinkhorn normalization: one Triton launch per hc_pre on a GPU instead of 78
+        # (npu.deepseek_v4.sinkhorn_triton: the same bits), torch's ops elsewhere.
+        self.sinkhorn = sinkhorn_for(self.device, lay.hc_mult)
         self.io = PoolIO(model, self.pools)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
                                    self.weight, self.linear, self.grouped_linear, self.io, self.dtype)
@@ -246,7 +250,8 @@ class DeepseekV4Runner(ModelRunner):
     def _hc(self, prefix: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lay = self.model.layout
         return hc_pre(streams, self.weight(prefix + "_fn"), self.weight(prefix + "_base"),
-                      self.weight(prefix + "_scale"), lay.hc_sinkhorn_iters, lay.hc_eps, lay.rms_norm_eps)
+                      self.weight(prefix + "_scale"), lay.hc_sinkhorn_iters, lay.hc_eps, lay.rms_norm_eps,
+                      self.sinkhorn)
 
     def _block(self, layer: int, streams: torch.Tensor, plan: StepPlan, rot: dict[object, Rotation],
                worst_case: bool, prefix: str | None = None) -> torch.Tensor:
