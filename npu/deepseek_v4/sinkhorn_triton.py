@@ -2,9 +2,10 @@
 math, to the bit).
 
 Why: each hc_pre makes its hc x hc mixing matrices doubly stochastic with 2 x iters - 1 normalizations. In torch
-each is two launches (a sum, a divide) on a few kilobytes, so with the released 20 iterations a layer's two hc_pre
-launch 156 kernels that do almost nothing: about 900 launches per decode step of the 6-layer model, 6,700 of the
-43-layer one, each costing microseconds of launch time (issue 33: a decode step eager is launches, not arithmetic).
+each is two launches (a sum, a divide) on a few kilobytes, so with the released 20 iterations an hc_pre launches 80
+kernels that do almost nothing (with its padding and copies; bench/count_device_ops.py): about 960 per decode step
+of the 6-layer model, 6,900 of the 43-layer one, each costing microseconds of launch time (issue 33: a decode step
+eager is launches, not arithmetic).
 Here one launch does all of them: each program holds BLOCK tokens' matrices in registers ([BLOCK, n, n], float32),
 normalizes them iters times and stores them once.
 
