@@ -1,6 +1,7 @@
 """Device ops one decode step dispatches, counted on fake CUDA: a CPU-side proxy for a GPU's kernel launches.
 
     python bench/count_device_ops.py                      # the tiny DeepSeek V4, 2 decode rows
+    python bench/count_device_ops.py --model dsv4_fp8     # ... with FP8 linears and FP4 experts, as released
     python bench/count_device_ops.py --model qwen3 --rows 4
 
 Why: an eager DeepSeek V4 step on a GPU is launch-bound (hundreds of tiny ops per layer; issue 33), and no GPU is at
@@ -25,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from npu.deepseek_v4.hyper import sinkhorn  # noqa: E402
 from npu.step import SeqStep, StepBatch  # noqa: E402
-from tests.npu.test_device_guard import DSV4, QWEN3, fake_runner, tables  # noqa: E402
+from tests.npu.test_device_guard import DSV4, DSV4_QUANTIZED, QWEN3, fake_runner, tables  # noqa: E402
 from tests.support.fake_cuda import fake_cuda  # noqa: E402
 
 # Ops that launch nothing: views, allocations, metadata, fake mode's own bookkeeping (set_ rebinds storage).
@@ -33,6 +34,9 @@ NOT_KERNELS = ("view", "as_strided", "slice", "select", "squeeze", "expand", "pe
                "reshape", "unflatten", "flatten", "split", "chunk", "unbind", "narrow", "detach", "alias", "empty",
                "lift_fresh", "resolve_", "result_type", "contiguous", "aten::to", "_to_copy", "is_", "size", "stride",
                "numel", "aten::dim", "sym_", "set_")
+
+
+MODELS = {"dsv4": DSV4, "dsv4_fp8": DSV4_QUANTIZED, "qwen3": QWEN3}     # the device guard's tiny configurations
 
 
 def count_step(runner, batch: StepBatch) -> Counter:
@@ -53,7 +57,7 @@ def count_step(runner, batch: StepBatch) -> Counter:
 def decode_ops(model: str, rows: int) -> dict[str, Counter]:
     """Per variant, the ops of one decode step of `rows` rows, each after a 32-token prefill: the second of two
     identical steps."""
-    runner, _ = fake_runner(DSV4 if model == "dsv4" else QWEN3)
+    runner, _ = fake_runner(MODELS[model])
     seqs = [(f"r{i}", tables(runner, 4 * i, 128)) for i in range(rows)]
     prefill = StepBatch([SeqStep(rid, list(range(3 + i, 35 + i)), 0, t, sample=False, prompt_len=32)
                          for i, (rid, t) in enumerate(seqs)])
@@ -65,7 +69,7 @@ def decode_ops(model: str, rows: int) -> dict[str, Counter]:
     def second_count() -> Counter:                    # a first step builds some tables once, and fake mode
         count_step(runner, decode)                    # dispatches a new op signature twice the first time
         return count_step(runner, decode)
-    if model != "dsv4":
+    if not model.startswith("dsv4"):
         return {"as built": second_count()}
     kernel = runner.sinkhorn                          # type: ignore[attr-defined]
     runner.sinkhorn = sinkhorn                        # type: ignore[attr-defined]
@@ -76,7 +80,8 @@ def decode_ops(model: str, rows: int) -> dict[str, Counter]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("dsv4", "qwen3"), default="dsv4", help="the tiny model of that arch")
+    ap.add_argument("--model", choices=sorted(MODELS), default="dsv4",
+                    help="the tiny model of that arch (dsv4_fp8: its linears FP8 and its experts FP4, read as stored)")
     ap.add_argument("--rows", type=int, default=2, help="decode rows in the step")
     a = ap.parse_args()
     print(f"tiny {a.model}, one decode step of {a.rows} rows on fake CUDA: ops that launch kernels\n")

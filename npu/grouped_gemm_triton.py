@@ -30,6 +30,8 @@ matmul per group; make device-check on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from npu.paged_attention_triton import INTERPRETED, triton
@@ -123,6 +125,23 @@ def group_tiles(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.
     return torch.stack([torch.where(live, group, -1), first, ends[g]]).to(torch.int32)
 
 
+@functools.lru_cache(maxsize=1024)
+def uniform_tiles(groups: int, rows_per_group: int, rows_per_tile: int, device: torch.device) -> torch.Tensor:
+    """group_tiles for `groups` groups of rows_per_group rows each (one FP8 linear: one group; wo_a: its o_groups row
+    blocks), made on the host, where all of it is known, and uploaded once per shape: a decode step's quantized
+    linears then spend no launch on their tile table (group_tiles is a dozen small ops). The same table
+    group_tiles makes, padding tiles included (tests/npu/test_grouped_gemm_triton.py); read-only to its users."""
+    ends = [(g + 1) * rows_per_group for g in range(groups)]
+    per_group = -(-rows_per_group // rows_per_tile)
+    table = [(g, g * rows_per_group + t * rows_per_tile, ends[g]) for g in range(groups) for t in range(per_group)]
+    total = groups * rows_per_group
+    last = groups - 1
+    for index in range(len(table), -(-total // rows_per_tile) + min(groups, total)):   # past the last: group -1
+        table.append((-1, last * rows_per_group + (index - last * per_group) * rows_per_tile, ends[last]))
+    host = torch.tensor(table, dtype=torch.int32).reshape(-1, 3).t().contiguous()
+    return host.to(device, non_blocking=True)
+
+
 @torch.library.custom_op("appliance::grouped_gemm", mutates_args=())
 def grouped_gemm_op(rows: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tiles: torch.Tensor,
                     out_features: int, fmt: str, scale_block: int, per_tile: int) -> torch.Tensor:
@@ -158,9 +177,25 @@ def weight_format(weight: torch.Tensor | QuantizedWeight) -> str:
     return "fp4" if weight.values.dtype == torch.float4_e2m1fn_x2 else "fp8"
 
 
-def triton_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor | QuantizedWeight, ends: torch.Tensor) -> torch.Tensor:
+def triton_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor | QuantizedWeight, ends: torch.Tensor,
+                        tiles: torch.Tensor | None = None) -> torch.Tensor:
     """rows [P, K] sorted by group @ weight[g]^T per group (weight [G, N, K] as held: plain or quantized, never
-    dequantized whole); ends int32 [G]. -> [P, N] in the rows' dtype."""
+    dequantized whole); ends int32 [G]. -> [P, N] in the rows' dtype. tiles: grouped_tiles(ends, P) when the caller
+    has it already (GEMMs over the same rows share one table), else made here."""
+    per_tile = block_m(rows.shape[0], ends.numel())
+    if tiles is None:
+        tiles = group_tiles(ends, rows.shape[0], per_tile)      # outside the op: the device guard sees it sync-free
+    return tiled_gemm(rows, weight, tiles, per_tile)
+
+
+def grouped_tiles(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The tile table triton_grouped_gemm makes for num_rows rows in the groups ending at `ends` (on the device)."""
+    return group_tiles(ends, num_rows, block_m(num_rows, ends.numel()))
+
+
+def tiled_gemm(rows: torch.Tensor, weight: torch.Tensor | QuantizedWeight, tiles: torch.Tensor,
+               per_tile: int) -> torch.Tensor:
+    """The kernel over a tile table of per_tile-row tiles (group_tiles' or uniform_tiles')."""
     fmt = weight_format(weight)
     if isinstance(weight, QuantizedWeight):
         values, scale, block = weight.values, weight.scale, weight.block
@@ -169,8 +204,6 @@ def triton_grouped_gemm(rows: torch.Tensor, weight: torch.Tensor | QuantizedWeig
     out_features = values.shape[-2]
     if rows.shape[-1] != (values.shape[-1] * 2 if fmt == "fp4" else values.shape[-1]):
         raise ValueError(f"grouped GEMM: rows have {rows.shape[-1]} columns, the weight {tuple(values.shape)} ({fmt})")
-    per_tile = block_m(rows.shape[0], ends.numel())
-    tiles = group_tiles(ends, rows.shape[0], per_tile)      # outside the op: the device guard sees it sync-free
     return grouped_gemm_op(rows, values, scale, tiles, out_features, fmt, block, per_tile)
 
 
@@ -185,8 +218,9 @@ def triton_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x [..., K] @ W^T for one quantized matrix [N, K] read as stored (the kernel with one group) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     stack = QuantizedWeight(weight.name, weight.values[None], weight.scale[None], weight.block)
-    ends = torch.full((1,), rows.shape[0], dtype=torch.int32, device=rows.device)
-    return triton_grouped_gemm(rows, stack, ends).view(*x.shape[:-1], -1)
+    per_tile = block_m(rows.shape[0], 1)
+    return tiled_gemm(rows, stack, uniform_tiles(1, rows.shape[0], per_tile, rows.device), per_tile
+                      ).view(*x.shape[:-1], -1)
 
 
 def triton_grouped_linear(x: torch.Tensor, blocks: QuantizedWeight) -> torch.Tensor:
@@ -194,5 +228,6 @@ def triton_grouped_linear(x: torch.Tensor, blocks: QuantizedWeight) -> torch.Ten
     (QuantizedWeight.row_blocks) -> [n, G, out]; DeepSeek V4's grouped output projection wo_a, in one launch."""
     n, groups, width = x.shape
     rows = x.transpose(0, 1).reshape(groups * n, width)          # group after group, as the kernel takes rows
-    ends = torch.arange(1, groups + 1, device=x.device, dtype=torch.int32) * n
-    return triton_grouped_gemm(rows, blocks, ends).view(groups, n, -1).transpose(0, 1)
+    per_tile = block_m(groups * n, groups)
+    return tiled_gemm(rows, blocks, uniform_tiles(groups, n, per_tile, x.device), per_tile
+                      ).view(groups, n, -1).transpose(0, 1)

@@ -23,3 +23,12 @@ def test_the_kernel_takes_each_hc_pre_to_one_launch(one_torch_thread):
     iters = load_runtime_config(["+model=dsv4_tiny"]).model.layout.hc_sinkhorn_iters
     assert torch_ops["aten::div_"] - kernel["aten::div_"] == hc_pre * (2 * iters - 1)
     assert sum(torch_ops.values()) - sum(kernel.values()) >= hc_pre * 2 * (2 * iters - 1) - hc_pre
+
+
+def test_quantized_linears_make_no_tile_table_and_each_swiglu_makes_one(one_torch_thread):
+    """As released (FP8 linears, FP4 experts): the linears' and wo_a's tables come made from the host (uniform_tiles),
+    and a MoE layer's three expert GEMMs share one; searchsorted runs only for the experts' ends and that table."""
+    ops = count_device_ops.decode_ops("dsv4_fp8", 1)["Sinkhorn kernel (as built on CUDA)"]
+    layers = load_runtime_config(["+model=dsv4_tiny"]).model.layout.num_layers
+    assert ops["appliance::grouped_gemm"] > 3 * layers               # the linears run through the kernel too
+    assert ops["aten::searchsorted"] == 2 * layers

@@ -34,7 +34,7 @@ from appliance.core.errors import EnvironmentSettingError
 from appliance.core.parallel import split
 from npu.collectives import Collective
 from npu.deepseek_v4.expert_stacks import Held
-from npu.grouped_gemm_triton import grouped_gemm_applies, triton_grouped_gemm
+from npu.grouped_gemm_triton import grouped_gemm_applies, grouped_tiles, triton_grouped_gemm
 from npu.quant import QuantizedWeight
 
 SCORE_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -246,15 +246,26 @@ def expert_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
     kernel that reads them as stored where it runs, else dequantized for the step; plain stacks through
     torch._grouped_mm where it works (a maintained kernel), else the Triton kernel, else masked_grouped_gemm."""
     triton_runs, torch_runs = grouped_gemm_applies(device, dtype), grouped_mm_works(device, dtype)
+    made: list = [None, 0, None]     # the last ends tensor and row count the Triton kernel's tile table was made for
+
+    def tiles_for(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """One tile table for the swiglu's three GEMMs (w1, w3, then w2 over the same rows and ends): a dozen small
+        ops each time otherwise. Keyed by the ends tensor itself (held, so its id is not reused while cached; every
+        step makes new ends by expert_offsets and none is changed in place) and the row count."""
+        if made[0] is not ends or made[1] != rows.shape[0]:
+            made[:] = [ends, rows.shape[0], grouped_tiles(ends, rows.shape[0])]
+        return made[2]
 
     def run(rows: torch.Tensor, stack: Held, ends: torch.Tensor) -> torch.Tensor:
         if isinstance(stack, QuantizedWeight):
             if triton_runs:
-                return triton_grouped_gemm(rows, stack, ends)
+                return triton_grouped_gemm(rows, stack, ends, tiles_for(rows, ends))
             stack = stack.dequantize(dtype)
         if torch_runs:
             return torch_grouped_gemm(rows, stack, ends)
-        return (triton_grouped_gemm if triton_runs else masked_grouped_gemm)(rows, stack, ends)
+        if triton_runs:
+            return triton_grouped_gemm(rows, stack, ends, tiles_for(rows, ends))
+        return masked_grouped_gemm(rows, stack, ends)
     return run
 
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's interpreter")]
 triton = pytest.importorskip("triton")
 
-from npu.grouped_gemm_triton import group_tiles, triton_grouped_gemm, triton_grouped_linear  # noqa: E402
+from npu.grouped_gemm_triton import group_tiles, triton_grouped_gemm, triton_grouped_linear, uniform_tiles  # noqa: E402
 from npu.quant import QuantizedWeight, quantize_fp4, quantize_fp8  # noqa: E402
 
 
@@ -111,3 +111,38 @@ def test_row_blocks_that_straddle_a_scale_block_are_refused():
     assert weight.row_blocks(4) is None
     with pytest.raises(ValueError, match="not 5 blocks of rows"):
         weight.row_blocks(5)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+@pytest.mark.parametrize("rows_per_group", [0, 1, 15, 16, 17, 64, 100])
+@pytest.mark.parametrize("rows_per_tile", [16, 64])
+def test_uniform_tiles_made_on_the_host_are_the_device_table(groups, rows_per_group, rows_per_tile):
+    """uniform_tiles (a quantized linear: one group; wo_a: its row blocks) is group_tiles' table, spare tiles too."""
+    ends = torch.arange(1, groups + 1, dtype=torch.int32) * rows_per_group
+    made = uniform_tiles(groups, rows_per_group, rows_per_tile, torch.device("cpu"))
+    assert made.dtype == torch.int32
+    assert torch.equal(made, group_tiles(ends, groups * rows_per_group, rows_per_tile))
+    assert uniform_tiles(groups, rows_per_group, rows_per_tile, torch.device("cpu")) is made     # uploaded once
+
+
+def test_the_swiglu_of_quantized_experts_makes_one_tile_table_for_its_three_gemms(monkeypatch):
+    from npu.deepseek_v4 import moe
+    gen = torch.Generator().manual_seed(3)
+    num, inter, hidden, sizes = 3, 64, 96, [5, 0, 12]
+    w1, w3 = (stack([torch.randn(inter, hidden, generator=gen) * 0.3 for _ in range(num)], "fp4", 32)
+              for _ in range(2))
+    w2 = stack([torch.randn(hidden, inter, generator=gen) * 0.3 for _ in range(num)], "fp4", 32)
+    rows = torch.randn(sum(sizes), hidden, generator=gen)
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    made = []
+    real = moe.grouped_tiles
+    monkeypatch.setattr(moe, "grouped_tiles", lambda e, n: made.append(n) or real(e, n))
+    gemm = moe.expert_gemm(torch.device("cpu"), torch.float32)
+    out = moe.grouped_swiglu(rows, ends, w1, w3, w2, None, gemm)
+    assert made == [sum(sizes)]                                   # w1, w3 and w2 over one table
+    dense = [w.dequantize(torch.float32) for w in (w1, w3, w2)]
+    want = moe.grouped_swiglu(rows, ends, *dense, None, moe.masked_grouped_gemm)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    moe.grouped_swiglu(rows, ends.clone(), w1, w3, w2, None, gemm)     # another step's ends: a new table
+    moe.grouped_swiglu(rows[:16], torch.tensor([4, 4, 16], dtype=torch.int32), w1, w3, w2, None, gemm)
+    assert made == [17, 17, 16]
