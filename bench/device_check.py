@@ -18,7 +18,8 @@ device-check/<UTC time>/) and prints the summary.
     h  DeepSeek V4's routed experts of one layer at real widths (bench/bench_grouped_gemm.py): the Triton grouped
        GEMM reading FP4 / FP8 stacks as stored against dequantize + torch._grouped_mm, at 16-4,096 tokens
     d  DeepSeek V4 at its real widths with 6 of its 43 layers (FP8 linears, FP4 experts, 256 experts, 7 cache
-       groups) at 0.85, the same check
+       groups) at 0.85, the same check, and first one 128-token prompt alone (issue 33: TTFT <= 250 ms; the full
+       load's TPOT is its decode step at batch 16)
     e  `python -m appliance` on the Qwen3-8B layout at utilization 0.5 (c's settings): health, c's 64 x 128 -> 128
        workload as 64 concurrent streamed HTTP completions (after one warm-up request), /metrics per cache group,
        SIGTERM -> exit 0; the served tok/s against c's in-process tok/s on the same workload (issue 37: >= 0.9,
@@ -132,6 +133,10 @@ def load_command(args: argparse.Namespace) -> dict:
     out["after_startup_bytes"] = sampler.peak
     vocab = rc.model.layout.vocab_size
     try:
+        if args.single:                             # one prompt alone, before anything else: its first token
+            out["single"] = run_workload(engine, [([3 + (j * 7) % (vocab - 3) for j in range(args.single)], 16)],
+                                         prefix="single")
+            out["single"]["prompt_tokens"] = args.single
         if args.speed:
             n, prompt, new = SPEED
             for rep in range(args.repeat):          # a later repeat shows what the first one paid once
@@ -314,6 +319,10 @@ def line_memory(out: Path, key: str, title: str, overrides: list[str], util: flo
         steps = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in r["decode_step_ms"].items())
         parts.append(f"64 x 128 -> 128: {s['output_tokens_per_s']:.0f} tok/s, TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} ms, "
                      f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; decode step {steps}")
+    if "single" in r:
+        one = r["single"]
+        parts.append(f"one {one['prompt_tokens']}-token prompt alone: TTFT {one['ttft_p50_s'] * 1e3:.0f} ms, TPOT "
+                     f"{one['tpot_p50_s'] * 1e3:.1f} ms")
     parts.append("graphs: " + (r["graphs"][0] if r["graphs"] else "off"))
     line.detail = "; ".join(parts)
     return line
@@ -463,6 +472,7 @@ def main() -> int:
     load.add_argument("--profile", action="store_true")
     load.add_argument("--no-full", action="store_true")
     load.add_argument("--repeat", type=int, default=1, help="runs of the speed workload")
+    load.add_argument("--single", type=int, default=0, help="first, one prompt of this many tokens alone (TTFT)")
     load.add_argument("overrides", nargs="*")
     sub.add_parser("hf-generate")
     args = parser.parse_args()
@@ -491,7 +501,7 @@ def main() -> int:
         ("a-qwen3_tiny", 30, lambda: line_bench(out, ["+model=qwen3_tiny"], "qwen3_tiny")),
         ("h", 40, lambda: line_grouped_gemm(out)),
         ("d", 80, lambda: line_memory(out, "d", "DeepSeek V4 real widths, 6 layers, at utilization 0.85, full load",
-                                      DSV4_6, 0.85, baseline)),
+                                      DSV4_6, 0.85, baseline, "--single", "128")),
         ("e", 50, lambda: line_serve(out, next((ln for ln in lines if ln.key == "c-0.5"), None))),
         ("c-0.85", 50, lambda: line_memory(out, "c-0.85", "Qwen3-8B layout at utilization 0.85, full load", QWEN3_8B,
                                            0.85, baseline)),
