@@ -142,9 +142,9 @@ def expert_exchange_mode() -> str:
     return mode
 
 
-# The fixed-shape exchange's buffers hold ranks x row bound x experts per token pairs of hidden rows each way; above
-# this many it would move more than the exchange by counts saves (a decode step of 64 rows, 6 experts per token on
-# 8 ranks is 3,072 pairs, 44 MB of bf16 rows at hidden 7,168; a 4,096-token prefill chunk would be 196,608).
+# The fixed-shape exchange returns ranks x row bound x experts per token pair outputs to every rank; above this many
+# it would move more than the exchange by counts saves (a decode step of 64 rows, 6 experts per token on 8 ranks is
+# 3,072 pairs, 25 MB of bf16 rows at DeepSeek V4's hidden 4,096; a 4,096-token prefill chunk would be 196,608).
 FIXED_EXCHANGE_PAIRS = 8192
 
 
@@ -163,7 +163,8 @@ def exchange_experts_fixed(group: Collective, h: torch.Tensor, weights: torch.Te
        for each pair over the ranks: one rank computed it, the others sent zeros, so the sum is that output exactly.
        Weighted and summed over a token's slots as routed_experts does: the result does not depend on where an
        expert lives, nor on which exchange ran.
-    Each way moves size x capacity x k hidden rows (FIXED_EXCHANGE_PAIRS bounds when the runner takes it)."""
+    The gather brings every rank size x capacity hidden rows, the return size x capacity x k pair outputs
+    (FIXED_EXCHANGE_PAIRS bounds when the runner takes it)."""
     n, k = experts.shape
     if n > capacity:
         raise ValueError(f"expert exchange: {n} rows on this rank but the step's bound is {capacity} "
