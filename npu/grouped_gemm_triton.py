@@ -18,7 +18,9 @@ A ue8m0 byte e is 2 ** (e - 127); the scales were checked at load (no 0xFF). Val
 the formats' definitions, so the kernel has one meaning on every device and in Triton's interpreter.
 
 Tiles: each group's rows are cut into BLOCK_M-row tiles, laid out group after group; group_tiles computes, on the
-device, each tile's (group, first row, end row), with no host sync. The grid is a static bound, cdiv(P, BLOCK_M) +
+device, each tile's (group, first row, end row), with no host sync (where the groups' sizes are known on the host,
+a quantized linear's one group or wo_a's equal row blocks, uniform_tiles makes the same table there, uploaded once
+per row count; and the three GEMMs of a swiglu share one table). The grid is a static bound, cdiv(P, BLOCK_M) +
 min(G, P) tiles x cdiv(N, BLOCK_N) column blocks, so a step of P rows always launches the same grid (CUDA graph
 capture); tiles past the last exit at once and a group with no rows costs nothing. Each program accumulates
 [BLOCK_M, BLOCK_N] in float32 over K in BLOCK_K steps and stores in the rows' dtype, as torch._grouped_mm does.
