@@ -216,6 +216,7 @@ def test_an_abort_gives_the_blocks_back(served):
 
 
 def test_a_full_wait_queue_is_resource_exhausted_and_429(served):
+    finished_before = sum(served.client.stub.Stats(pb.StatsRequest(), timeout=10).requests_finished.values())
     calls = [served.client.stub.Generate(generate_request("fill", max_tokens=100, ignore_eos=True))
              for _ in range(4)]                      # 2 running + 2 waiting
     try:
@@ -230,6 +231,10 @@ def test_a_full_wait_queue_is_resource_exhausted_and_429(served):
         for call in calls:
             call.cancel()
     wait_for(lambda: served.engine.num_in_flight() == 0, 30, "the cancels")
+    # The front end lets go of a cancelled stream before the core has ended it: wait until the core counted all four
+    # finished (aborted, or done if one ran its 100 tokens first), so no later test sees them end or count a token.
+    wait_for(lambda: sum(served.client.stub.Stats(pb.StatsRequest(), timeout=10).requests_finished.values())
+             - finished_before >= 4, 30, "the core to end the four cancelled streams")
     wait_for(served.all_free, 30, "blocks back")
 
 
