@@ -13,14 +13,15 @@ from appliance.config.compose import load_runtime_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 count_device_ops = pytest.importorskip("count_device_ops")
+LAYOUT = load_runtime_config(["+model=dsv4_tiny"]).model.layout     # the device guard's tiny DeepSeek V4
 
 
 def test_the_kernel_takes_each_hc_pre_to_one_launch(one_torch_thread):
     counts = count_device_ops.decode_ops("dsv4", 1)
     torch_ops, kernel = counts["Sinkhorn as torch ops"], counts["Sinkhorn kernel (as built on CUDA)"]
-    hc_pre = 2 * load_runtime_config(["+model=dsv4_tiny"]).model.layout.num_layers    # attention's and the MoE's
+    hc_pre = 2 * LAYOUT.num_layers                                  # attention's and the MoE's per layer
     assert kernel["appliance::sinkhorn"] == hc_pre and "appliance::sinkhorn" not in torch_ops
-    iters = load_runtime_config(["+model=dsv4_tiny"]).model.layout.hc_sinkhorn_iters
+    iters = LAYOUT.hc_sinkhorn_iters
     assert torch_ops["aten::div_"] - kernel["aten::div_"] == hc_pre * (2 * iters - 1)
     assert sum(torch_ops.values()) - sum(kernel.values()) >= hc_pre * 2 * (2 * iters - 1) - hc_pre
 
@@ -29,6 +30,6 @@ def test_quantized_linears_make_no_tile_table_and_each_swiglu_makes_one(one_torc
     """As released (FP8 linears, FP4 experts): the linears' and wo_a's tables come made from the host (uniform_tiles),
     and a MoE layer's three expert GEMMs share one; searchsorted runs only for the experts' ends and that table."""
     ops = count_device_ops.decode_ops("dsv4_fp8", 1)["Sinkhorn kernel (as built on CUDA)"]
-    layers = load_runtime_config(["+model=dsv4_tiny"]).model.layout.num_layers
+    layers = LAYOUT.num_layers
     assert ops["appliance::grouped_gemm"] > 3 * layers               # the linears run through the kernel too
     assert ops["aten::searchsorted"] == 2 * layers

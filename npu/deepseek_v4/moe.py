@@ -84,6 +84,14 @@ def by_expert(h: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[
     return out
 
 
+def combine_slots(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's routed output: its k pair outputs (pairs, k rows per token in slot order, any shape that views as
+    [N, k, D]) weighted and summed in slot order. Every way of running the experts ends here, so where an expert ran
+    never changes the sum."""
+    n, k = weights.shape
+    return (pairs.view(n, k, pairs.shape[-1]) * weights[..., None].to(pairs.dtype)).sum(dim=1)
+
+
 def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    limit: float | None) -> torch.Tensor:
@@ -92,8 +100,7 @@ def routed_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     [N, k, D] buffer, summed at the end: no scatter-add (slow on CPUs under load, order-dependent elsewhere)."""
     n, k = experts.shape
     token_of_pair = torch.arange(n * k, device=h.device) // k
-    out = by_expert(h, experts.flatten(), expert, limit, token_of_pair).view(n, k, h.shape[-1])
-    return (out * weights[..., None].to(h.dtype)).sum(dim=1)
+    return combine_slots(by_expert(h, experts.flatten(), expert, limit, token_of_pair), weights)
 
 
 def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -111,7 +118,7 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     an expert lives. Every rank of the group calls this once per MoE layer, in lockstep, even with no tokens:
     the others may still send it rows for its experts. The counts are read on the host (the all-to-all's split
     sizes): one sync per layer, nothing on a CPU; exchange_experts_fixed is the accelerator's way for small steps."""
-    n, k = experts.shape
+    k = experts.shape[1]
     flat = experts.reshape(-1)
     bounds = torch.tensor([split(num_experts, group.size, i)[1] for i in range(group.size)], device=flat.device)
     dest = torch.bucketize(flat, bounds, right=True)             # the rank holding each pair's expert
@@ -124,7 +131,7 @@ def exchange_experts(group: Collective, h: torch.Tensor, weights: torch.Tensor, 
     back = group.all_to_all(run_local(rows, ids), recv_counts, send_counts)
     pairs = torch.empty_like(back)
     pairs[order] = back
-    return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+    return combine_slots(pairs, weights)
 
 
 # How expert-parallel ranks exchange pairs (read once per runner): auto (the fixed-shape exchange where the runner
@@ -179,8 +186,7 @@ def exchange_experts_fixed(group: Collective, h: torch.Tensor, weights: torch.Te
     local = torch.where((every_e >= lo) & (every_e < hi), every_e - lo, hi - lo)
     pairs = grouped_pairs(every_h, local, k, hi - lo, w1, w3, w2, limit, gemm, foreign=True)
     back = group.exchange_blocks(pairs)                         # block r: rank r's pairs of this rank's rows
-    mine = back.view(group.size, capacity, k, h.shape[-1]).sum(dim=0)[:n]
-    return (mine * weights[..., None].to(h.dtype)).sum(dim=1)
+    return combine_slots(back.view(group.size, capacity, k, h.shape[-1]).sum(dim=0)[:n], weights)
 
 
 def expert_offsets(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -237,9 +243,8 @@ def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
                     limit: float | None, gemm: GroupedGemm) -> torch.Tensor:
     """routed_experts with no host sync: w1, w3 [E, I, D] and w2 [E, D, I] stacked over the experts, held as `gemm`
     reads them (expert_gemm's: as stored)."""
-    n, k = experts.shape
-    pairs = grouped_pairs(h, experts.reshape(-1), k, w1.shape[0], w1, w3, w2, limit, gemm)
-    return (pairs.view(n, k, h.shape[-1]) * weights[..., None].to(h.dtype)).sum(dim=1)
+    pairs = grouped_pairs(h, experts.reshape(-1), experts.shape[1], w1.shape[0], w1, w3, w2, limit, gemm)
+    return combine_slots(pairs, weights)
 
 
 def expert_gemm(device: torch.device, dtype: torch.dtype) -> GroupedGemm:
