@@ -14,6 +14,8 @@ device-check/<UTC time>/) and prints the summary.
        64, prefill tok/s, and a profile of decode steps
     f  transformers `generate` on the Qwen3-8B layout (random bf16 weights), batch 64 x 128 -> 128, beside c's tok/s
     g  c's speed figures with device.graphs=false (eager decode steps), for the graphs' effect
+    i  c's speed figures with async_scheduling=false (each step's tokens read before the next is scheduled), for the
+       overlap's effect
     a  tiny Qwen3 and tiny DeepSeek V4 `mode=bench` on the GPU (as a user runs it: python -m appliance ...)
     h  DeepSeek V4's routed experts of one layer at real widths (bench/bench_grouped_gemm.py): the Triton grouped
        GEMM reading FP4 / FP8 stacks as stored against dequantize + torch._grouped_mm, at 16-4,096 tokens
@@ -503,6 +505,8 @@ def main() -> int:
         ("d", 80, lambda: line_memory(out, "d", "DeepSeek V4 real widths, 6 layers, at utilization 0.85, full load",
                                       DSV4_6, 0.85, baseline, "--single", "128")),
         ("e", 50, lambda: line_serve(out, next((ln for ln in lines if ln.key == "c-0.5"), None))),
+        ("i", 50, lambda: line_memory(out, "i", "Qwen3-8B layout speed with async_scheduling=false (synchronous loop)",
+                                      [*QWEN3_8B, "async_scheduling=false"], 0.5, baseline, "--speed", "--no-full")),
         ("c-0.85", 50, lambda: line_memory(out, "c-0.85", "Qwen3-8B layout at utilization 0.85, full load", QWEN3_8B,
                                            0.85, baseline)),
         ("a-dsv4_tiny", 40, lambda: line_bench(out, [], "dsv4_tiny")),

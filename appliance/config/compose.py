@@ -133,6 +133,9 @@ def _check_speculative(c: Checker, cfg: DictConfig, layout: Layout | None) -> No
     method = cfg.speculative.method
     if method is None:
         return
+    c.check(cfg.async_scheduling is not True, "async_scheduling", True,
+            "a verifying row needs its drafts' tokens before the next step is scheduled, so speculative decoding "
+            "runs without it; set async_scheduling=null (or false) or speculative.method=null")
     if not c.check(method in SPECULATIVE_METHODS, "speculative.method", method,
                    f"must be null (off) or one of {list(SPECULATIVE_METHODS)}"):
         return

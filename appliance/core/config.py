@@ -262,6 +262,9 @@ class RuntimeConfig:
     # (whose tied indexer scores broke otherwise)? exact | reuse | auto (core/prefix_reuse.py)
     prefix_caching_ties: str = setting("auto", rule=one_of(*PREFIX_CACHING_TIES))
     seed: int = 0
+    # Schedule step N+1 while step N runs on the device (engine/core.py); None: on for accelerators, off on the CPU
+    # (whose steps run on the loop's own thread: nothing to overlap) and with speculative decoding.
+    async_scheduling: bool | None = None
     device: DeviceSettings
     parallel: ParallelSettings
     server: ServerSettings

@@ -15,6 +15,17 @@ verify of speculative rows: speculation.py); the scheduler commits the tokens an
 (Scheduler.update_from_output); the output sink takes the CoreOutputs (output.py: in one process the
 OutputProcessor, which makes text and RequestOutputs; in split mode a sender to the front end's), and the core
 finishes what ended before the outputs are delivered. A failing step is retried one sequence at a time.
+
+Async scheduling (rc.async_scheduling; on for accelerators): a step is launched (its device work queued, its
+computed tokens committed) and read one iteration later, so the host work between two steps overlaps the device's:
+
+    iteration N+1:  inbox -> schedule N+1 -> read N's tokens (sample; the stop rules) -> launch N+1 -> output N
+
+Step N's sampling rows hold an unresolved token while step N+1 is scheduled (Scheduler.commit); its rows that end
+with N's tokens are dropped from N+1 before it is launched, so N+1 computes from known tokens only and every greedy
+output is the synchronous loop's. A row that ends while its step runs (an abort, a stop string) is skipped when the
+step is read. A step with drafts or constrained rows runs synchronously (N's output first): its next step needs its
+tokens to be scheduled (drafts) or masked (grammars).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -37,7 +49,7 @@ from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, split_draft_rows, verify_rows
 from appliance.engine.output import CoreOutput, OutputSink
 from appliance.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate
-from appliance.engine.sequence import Sequence
+from appliance.engine.sequence import SeqStatus, Sequence
 from appliance.engine.speculation import Emitted, record_speculation, verify
 from appliance.engine.stats import GroupUsage, StatsRecorder
 from appliance.engine.step_input import StepInput, build_step
@@ -54,6 +66,34 @@ log = logging.getLogger(__name__)
 FAILED_STEPS_FILE = "APPLIANCE_FAILED_STEPS_FILE"
 
 Masks = tuple[list[int], MaskFill] | None     # the constrained rows of a step and their masks being filled
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """Async scheduling: a step whose device work is queued and whose tokens are not read yet."""
+
+    step: StepInput
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ReadStep:
+    """A step whose tokens are read and committed to its sequences (resolve), its output not yet handed on."""
+
+    updates: list[SeqUpdate]
+    sampled: dict[str, Emitted]
+
+    def ending(self) -> set[int]:
+        """ids of the sequences its stop rules ended."""
+        return {id(u.seq) for u in self.updates if u.finish_reason is not None}
+
+
+def async_scheduling(rc: RuntimeConfig, device: torch.device) -> bool:
+    """rc.async_scheduling, or when null: on off the CPU without speculative decoding. A CPU step runs on the loop's
+    thread, so there is no device work to overlap; a verifying row's next step needs its drafts' tokens."""
+    if rc.async_scheduling is not None:
+        return rc.async_scheduling
+    return device.type != "cpu" and rc.speculative.method is None
 
 
 class RequestTable(Protocol):
@@ -77,6 +117,8 @@ class EngineCore:
         self.grammars, self.outputs, self.stats, self.requests = grammars, outputs, stats, requests
         self.thread = threading.current_thread()
         self.steps = 0
+        self.overlap = async_scheduling(rc, runner.device)     # launch a step, read it one iteration later
+        self.steps_ahead = 0        # steps scheduled while the step before them ran (async scheduling)
         # ("add" | "abort" | "stop", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
         self._inbox: queue.Queue[tuple[str, Sequence | threading.Event | None]] = queue.Queue()
         self._live: dict[str, Sequence] = {}      # the loop's requests by id (added, not yet finished)
@@ -146,16 +188,85 @@ class EngineCore:
     def run(self) -> None:
         """Loop on the core's thread until shutdown or the failure: publish the figures, take the inbox, schedule,
         and step (execute -> sample -> update -> output); then end what is left (_end_all)."""
+        launched: LaunchedStep | None = None
         while not self._stop.is_set() and self.requests.failure is None:
             self._publish_stats()
-            self._take_inbox(wait=not self.scheduler.has_work())   # idle: block until a request (or shutdown)
+            # idle: block until a request (or shutdown)
+            self._take_inbox(wait=launched is None and not self.scheduler.has_work())
             if self._stop.is_set() or self.requests.failure is not None:
                 break
             scheduled = self.scheduler.schedule()
-            if scheduled:
-                for seq in self._run_step(scheduled):
-                    self._live.pop(seq.request_id, None)
+            read, ahead = None, launched is not None      # (scheduled while the launched step ran)
+            if launched is not None:            # the previous step's tokens: its rows that end leave this step
+                read, launched = self._read(launched), None
+                gone = read.ending() if read is not None else set()
+                scheduled = [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
+            if not (scheduled and self.overlap and self._can_overlap(scheduled)):
+                if read is not None:            # (before the next step's outputs, which may be the same rows')
+                    self._finish(self._output(read.updates, read.sampled))
+                if scheduled:
+                    self._finish(self._run_step(scheduled))
+                continue
+            new_pages = [self.kv.take_new_pages(p) for p in range(self.kv.num_partitions)]
+            launched = self._launch(scheduled, new_pages)
+            if ahead and launched is not None:
+                self.steps_ahead += 1
+            if read is not None:                # while the launched step runs
+                self._finish(self._output(read.updates, read.sampled))
+            if launched is None and self.requests.failure is None:    # it failed to launch: one by one, in turn
+                self._finish(self._retry(scheduled, new_pages))
+        if launched is not None and self.requests.failure is None:     # shutdown: the step it ran is delivered
+            read = self._read(launched)
+            if read is not None:
+                self._finish(self._output(read.updates, read.sampled))
         self._end_all(self.requests.failure)
+
+    def _finish(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            self._live.pop(seq.request_id, None)
+
+    @staticmethod
+    def _can_overlap(scheduled: list[ScheduledSeq]) -> bool:
+        """A step whose next one can be scheduled before its tokens are known: no drafts to verify, no constrained
+        row to mask (a grammar must accept its token before the next mask)."""
+        return not any(s.num_draft or (s.samples and s.seq.matcher is not None) for s in scheduled)
+
+    def _launch(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> LaunchedStep | None:
+        """Queue a step's device work and commit what it computes; its tokens are read next iteration (_read).
+        None when it failed to launch (counted; the caller retries it one sequence at a time) or the ranks are
+        lost."""
+        try:
+            step = build_step(scheduled, self.kv, new_pages)
+            logits = self._execute(step)
+        except RanksLostError as exc:
+            self.device_lost(str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - retried by the caller, one request at a time
+            log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
+            self._step_failed(exc)
+            return None
+        self.scheduler.commit(step.scheduled)
+        return LaunchedStep(step, logits)
+
+    def _read(self, launched: LaunchedStep) -> ReadStep | None:
+        """Wait for a launched step's tokens (sampling them), and apply the stop rules to its rows still live. A
+        step that fails here fails its live rows (its tokens are committed: no retry can recompute them)."""
+        step = launched.step
+        try:
+            sampled, refused = self._sample(step, launched.logits, None)
+        except RanksLostError as exc:
+            self.device_lost(str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            log.exception("reading an engine step failed; its %d sequences fail", len(step.scheduled))
+            self._step_failed(exc)
+            for s in step.scheduled:
+                if s.seq.status is not SeqStatus.FINISHED:
+                    s.seq.error = f"{type(exc).__name__}: {exc}"
+                    self._finish_aborted(s.seq)
+                    self._live.pop(s.seq.request_id, None)
+            return None
+        return ReadStep(self.scheduler.resolve(step.samplers, _tokens(sampled), refused), sampled)
 
     def _take_inbox(self, wait: bool) -> None:
         """Handle every item in the inbox, in order; first wait for one when `wait`."""
@@ -212,6 +323,11 @@ class EngineCore:
         except Exception as exc:
             log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
             self._step_failed(exc)
+        return self._retry(scheduled, new_pages)
+
+    def _retry(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> list[Sequence]:
+        """A failed step's sequences, one step each (synchronous); one that fails alone ends ABORTED with its error.
+        The sequences that finished."""
         finished: list[Sequence] = []
         for item in scheduled:
             try:
@@ -265,18 +381,21 @@ class EngineCore:
         if len(step.plain) < len(step.samplers):                       # verifying rows were drawn above
             logits = logits.index_select(0, torch.tensor(step.plain, dtype=torch.long, device=logits.device))
         drawn = step.drawn
+        live = [i for i, s in enumerate(drawn) if s.seq.status is not SeqStatus.FINISHED]
+        if len(live) < len(drawn):            # a launched step's rows that ended while it ran (never masked rows)
+            logits = logits.index_select(0, torch.tensor(live, dtype=torch.long, device=logits.device))
+            drawn = [drawn[i] for i in live]
         refused = self._mask_constrained(logits, [s.seq for s in drawn], masks)
         tokens = self.sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in drawn]) if drawn else []
         logprobs = sampled_logprobs(logits, [s.seq.params for s in drawn], tokens)
         self.steps += 1
         for s, token, logprob in zip(drawn, tokens, logprobs):
             emitted[id(s.seq)] = ([token], [logprob])
-        return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers}, refused
+        return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers if id(s.seq) in emitted}, refused
 
     def _update(self, step: StepInput, sampled: dict[str, Emitted], refused: dict[str, str]) -> list[SeqUpdate]:
         """Commit the step and apply the core's stop rules (Scheduler.update_from_output); count the kept drafts."""
-        updates = self.scheduler.update_from_output(
-            step.scheduled, {request_id: tokens for request_id, (tokens, _) in sampled.items()}, refused)
+        updates = self.scheduler.update_from_output(step.scheduled, _tokens(sampled), refused)
         record_speculation(self.stats, step.scheduled, [(s, sampled[s.seq.request_id][0]) for s in step.samplers])
         return updates
 
@@ -374,3 +493,8 @@ class EngineCore:
             generation_tokens=num_tokens)
         for seq in seqs:
             seq.last_token_time = now
+
+
+def _tokens(sampled: dict[str, Emitted]) -> dict[str, list[int]]:
+    """The sampled tokens of each row, by request id (without their logprobs)."""
+    return {request_id: tokens for request_id, (tokens, _) in sampled.items()}

@@ -282,6 +282,11 @@ class Engine:
         return self._core.steps if self._core is not None else 0
 
     @property
+    def steps_ahead(self) -> int:
+        """Steps scheduled while the step before them ran (async scheduling; 0 without it)."""
+        return self._core.steps_ahead if self._core is not None else 0
+
+    @property
     def grammars(self) -> GrammarCompiler:
         return self._started().grammars
 

@@ -13,6 +13,12 @@ waiting requests are readmitted in arrival order, so none starves.
 
 After the step, update_from_output commits what it computed and sampled, and applies the stop rules the core
 owns (EOS, stop token ids, a grammar's end or refusal, the length limits); stop strings are output processing's.
+It is two halves, which async scheduling calls apart (core.py): commit, once the step is launched (what it computes
+is known then), and resolve, once its sampled tokens are read. Between them each sampling row holds one unresolved
+token (Sequence.num_unresolved): it counts as the row's pending token, so the next step can be scheduled before it
+is known. Such a row is a decode row whose pages are reserved as lookahead (its token is not in token_ids yet), it
+drafts nothing, and it is not scheduled at all when its length limits end it with that token. A preempted row waits
+for its token before it is readmitted.
 """
 
 from __future__ import annotations
@@ -101,18 +107,27 @@ class Scheduler:
         """Tokens a decode row drafts: speculative.num_tokens, fewer where the sequence's length or max_tokens
         would end first or the step's budget is short (a draft past them could never be kept). A constrained row
         (structured output) drafts nothing: its drafts would have to pass its grammar too."""
-        if seq.matcher is not None:
+        if seq.matcher is not None or seq.num_unresolved:
             return 0
         left = min(self.max_model_len - seq.num_tokens, seq.params.max_tokens - len(seq.output_token_ids)) - 1
         return max(0, min(self.limits.draft_tokens, left, budget - 1))
 
     def _allocate(self, seq: Sequence, num_new_tokens: int, num_draft: int = 0) -> bool:
-        """Pages for the next tokens (and drafts) in every group at once, or nothing."""
+        """Pages for the next tokens (and drafts) in every group at once, or nothing. An unresolved token's page is
+        reserved as lookahead, as a draft's: the KV manager learns the token at commit."""
+        unknown = seq.num_unresolved
         try:
-            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens, num_draft, seq.num_prompt_tokens)
+            self.kv.allocate(seq.request_id, seq.token_ids, num_new_tokens - unknown, num_draft + unknown,
+                             seq.num_prompt_tokens)
             return True
         except KvCapacityError:
             return False
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """The row's unresolved token reaches max_tokens or max_model_len: it ends with it, whatever it is, so no
+        step computes past it (the LENGTH rule of _append, known before the token)."""
+        return bool(seq.num_unresolved) and (len(seq.output_token_ids) + seq.num_unresolved >= seq.params.max_tokens
+                                             or seq.num_tokens >= self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -136,13 +151,13 @@ class Scheduler:
 
         # Running sequences, oldest first; decode rows go to those that waited longest for one.
         self.running.sort(key=lambda s: s.arrival)
-        decoders = sorted((s for s in self.running if s.num_pending_tokens == 1),
+        decoders = sorted((s for s in self.running if s.num_pending_tokens == 1 and not self._ends_by_length(s)),
                           key=lambda s: (s.last_scheduled_step, s.arrival))
         allowed_decoders: set[int] = set()
         for p in range(parts):
             allowed_decoders.update(id(s) for s in [d for d in decoders if where(d.request_id) == p][:decode_rows[p]])
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING or self._ends_by_length(seq):
                 continue
             p = where(seq.request_id)
             if budget[p] == 0:
@@ -170,6 +185,8 @@ class Scheduler:
             running[where(seq.request_id)] += 1
         while self.waiting and any(running[p] < self.limits.max_seqs and budget[p] > 0 for p in range(parts)):
             seq = self.waiting[0]
+            if seq.num_unresolved:                  # preempted while its token is being sampled: it waits for it
+                break
             # A request that asked for prompt logprobs computes every prompt position (a cache hit would skip them).
             if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 cached = self.kv.match_prefix(seq.request_id, seq.token_ids, seq.num_prompt_tokens)   # places it too
@@ -203,28 +220,49 @@ class Scheduler:
 
     def update_from_output(self, scheduled: list[ScheduledSeq], sampled: Mapping[str, Seq[int]],
                            refused: Mapping[str, str]) -> list[SeqUpdate]:
-        """Commit a step, then apply the core's stop rules to each sampling row, in `scheduled` order.
+        """Commit a step, then apply the core's stop rules to each sampling row, in `scheduled` order: commit, then
+        resolve (see those)."""
+        samplers = [s for s in scheduled if s.samples]     # (before the commit, which moves what samples reads)
+        self.commit(scheduled, sampled)
+        return self.resolve(samplers, sampled, refused)
 
-        sampled: the new tokens of every sampling row by request id (a verifying row: its accepted drafts and one
-        more); refused: the rows whose grammar mask could not be computed, with why (their token is dropped).
-        Every scheduled sequence first gets its computed tokens (and a verifying row its kept drafts, whose KV is
-        written) committed, here and in the KV manager. Then each row's tokens are appended in order until one
-        ends it: its grammar refuses it (ABORTED), EOS (unless ignore_eos), a stop token id, the grammar's end
+    def commit(self, scheduled: list[ScheduledSeq], sampled: Mapping[str, Seq[int]] | None = None) -> None:
+        """Record a launched step: every scheduled sequence gets its computed tokens committed, here and in the KV
+        manager (which also learns tokens that were unresolved when they were allocated), and a verifying row its
+        kept drafts, whose KV is written (so `sampled` is needed for a step with drafts). Each sampling row then holds
+        its sampled token as unresolved until resolve."""
+        for s in scheduled:
+            seq = s.seq
+            samples = s.samples
+            accepted = list(sampled[seq.request_id][:-1]) if s.num_draft and sampled is not None else []
+            if s.num_draft and sampled is None:
+                raise ValueError(f"request {seq.request_id!r} verified drafts: its commit needs the sampled tokens")
+            seq.num_computed_tokens += s.num_new_tokens + len(accepted)
+            self.kv.commit(seq.request_id, seq.num_computed_tokens, seq.token_ids + accepted if accepted else
+                           seq.token_ids)
+            if samples:
+                seq.num_unresolved = 1
+
+    def resolve(self, samplers: list[ScheduledSeq], sampled: Mapping[str, Seq[int]],
+                refused: Mapping[str, str]) -> list[SeqUpdate]:
+        """Apply the core's stop rules to each committed sampling row, in order. sampled: the new tokens of every
+        sampling row by request id (a verifying row: its accepted drafts and one more); refused: the rows whose
+        grammar mask could not be computed, with why (their token is dropped). A row that finished while its step
+        ran (an abort, a stop string) is in neither and is skipped. Each row's tokens are appended in order until
+        one ends it: its grammar refuses it (ABORTED), EOS (unless ignore_eos), a stop token id, the grammar's end
         (STOP: the token is output), max_tokens or max_model_len (LENGTH). Finished sequences stay scheduled until
         the engine removes them (remove)."""
-        samplers = [s for s in scheduled if s.samples]     # (before the commit, which moves what samples reads)
-        for s in scheduled:
-            accepted = list(sampled[s.seq.request_id][:-1]) if s.num_draft else []
-            s.seq.num_computed_tokens += s.num_new_tokens + len(accepted)
-            self.kv.commit(s.seq.request_id, s.seq.num_computed_tokens,
-                           s.seq.token_ids + accepted if accepted else None)
         updates = []
         for s in samplers:
             seq = s.seq
             if seq.request_id in refused:
+                seq.num_unresolved = 0
                 self._refuse(seq, refused[seq.request_id])
                 updates.append(SeqUpdate(seq, 0, FinishReason.ABORTED))
                 continue
+            if seq.request_id not in sampled:
+                continue
+            seq.num_unresolved = 0
             new = sampled[seq.request_id]
             for i, token in enumerate(new):
                 reason = self._append(seq, token)

@@ -37,6 +37,9 @@ class Sequence:
         self.last_token_time: float | None = None
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0       # tokens whose KV is in the cache
+        # Async scheduling: 1 while a step that samples this sequence's next token is launched and its token not read
+        # yet. That token counts in num_tokens (the next step computes it: a decode row) but is not in token_ids.
+        self.num_unresolved = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit of the first admission
         self.num_preemptions = 0
         self.last_scheduled_step = -1
@@ -54,12 +57,13 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt + outputs (a live list: read it, do not change it)."""
+        """Prompt + outputs known so far (a live list: read it, do not change it)."""
         return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        """Prompt + outputs, the one a launched step is sampling included (num_unresolved)."""
+        return len(self._all_token_ids) + self.num_unresolved
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -25,10 +25,13 @@ MAX_MODEL_LEN = 64
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(request):
+    """The scripted engine, stepping synchronously and with async scheduling (its next step scheduled while the
+    current one runs, appliance/engine/core.py): every rule must end a request at the same token either way."""
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", f"max_model_len={MAX_MODEL_LEN}",
-                              "kv_cache.num_slots_override=4", "max_num_seqs=4"])
+                              "kv_cache.num_slots_override=4", "max_num_seqs=4",
+                              f"async_scheduling={str(request.param).lower()}"])
     runner = ScriptedRunner(rc.model)
     eng = HookedEngine(rc, runner)
     eng.start()

@@ -116,3 +116,63 @@ def test_a_refused_mask_appends_nothing_and_aborts_naming_the_field():
     assert (update.num_new, update.finish_reason) == (0, FinishReason.ABORTED)
     assert seq.output_token_ids == [9]
     assert seq.error == "its mask took too long" and seq.error_field == "structured_outputs.regex"
+
+
+# -- async scheduling: commit when a step is launched, resolve when its tokens are read --------------------------
+
+
+def test_a_committed_sampling_row_is_a_decode_row_before_its_token_is_known():
+    sched, kv = scheduler(max_model_len=64)
+    (seq,) = decoding(sched, SamplingParams(max_tokens=8))                   # prompt 5 + [9]
+    (row,) = sched.schedule()
+    sched.commit([row])                                                      # launched: its token is not read yet
+    assert seq.num_unresolved == 1 and seq.token_ids == [*range(10, 15), 9] and seq.num_tokens == 7
+    assert seq.num_computed_tokens == kv.num_computed_tokens(seq.request_id) == 6
+    (ahead,) = sched.schedule()                                              # the next step, scheduled now
+    assert (ahead.seq, ahead.num_new_tokens, ahead.num_draft, ahead.samples) == (seq, 1, 0, True)
+    (update,) = sched.resolve([row], {seq.request_id: [31]}, {})
+    assert (update.num_new, update.finish_reason, seq.num_unresolved) == (1, None, 0)
+    assert seq.token_ids == [*range(10, 15), 9, 31]
+    sched.commit([ahead])                                                    # the KV manager learns 31 now
+    assert kv.num_computed_tokens(seq.request_id) == 7 and seq.num_unresolved == 1
+
+
+def test_a_row_whose_unresolved_token_reaches_its_length_limits_is_not_scheduled_and_leaves_its_slot():
+    sched, _ = scheduler(max_model_len=64, decode_batch=1)
+    ending, waiting_row = decoding(sched, SamplingParams(max_tokens=2), SamplingParams(max_tokens=8))
+    (first,) = sched.schedule()                                              # one decode row per step
+    assert first.seq is ending
+    sched.commit([first])
+    (ahead,) = sched.schedule()      # `ending`'s second token is its last, whatever it is: the slot goes on
+    assert ahead.seq is waiting_row
+    (update,) = sched.resolve([first], {ending.request_id: [30]}, {})
+    assert update.finish_reason is FinishReason.LENGTH
+
+
+def test_a_row_preempted_before_its_token_is_read_is_readmitted_only_after_it():
+    rc = load_runtime_config(["+model=qwen3_tiny", "max_model_len=64", "enable_prefix_caching=false"])
+    kv = InspectableKvCacheManager(rc.model.cache_groups, rc.block_size)
+    kv.initialize_slots(2)                                                   # one page each for two requests
+    sched = Scheduler(rc, kv, eos_token_id=EOS)
+    older, newer = decoding(sched, SamplingParams(max_tokens=8), SamplingParams(max_tokens=8),
+                            prompt_len=rc.block_size - 1)                    # each page now full but for the row
+    rows = sched.schedule()
+    sched.commit(rows)                                                       # launched; the next rows need pages
+    (ahead,) = sched.schedule()                                              # the newest is preempted for them
+    assert ahead.seq is older and list(sched.waiting) == [newer] and newer.num_unresolved == 1
+    sched.resolve(rows, {older.request_id: [31], newer.request_id: [32]}, {})
+    sched.commit([ahead])
+    sched.resolve([ahead], {older.request_id: [EOS]}, {})
+    sched.remove(older)
+    (again,) = sched.schedule()                                              # now with its token known
+    assert (again.seq, again.num_new_tokens) == (newer, rc.block_size + 1) and newer.token_ids[-2:] == [9, 32]
+
+
+def test_a_row_that_finished_while_its_step_ran_is_skipped_when_the_step_is_read():
+    sched, _ = scheduler(max_model_len=64)
+    gone, kept = decoding(sched, SamplingParams(max_tokens=8), SamplingParams(max_tokens=8))
+    rows = sched.schedule()
+    sched.commit(rows)
+    sched.remove(gone)                                                       # aborted while the step ran
+    updates = sched.resolve(rows, {kept.request_id: [31]}, {})
+    assert [(u.seq, u.num_new) for u in updates] == [(kept, 1)] and gone.output_token_ids == [9]
