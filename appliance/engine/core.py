@@ -199,6 +199,8 @@ class EngineCore:
             read, ahead = None, launched is not None      # (scheduled while the launched step ran)
             if launched is not None:            # the previous step's tokens: its rows that end leave this step
                 read, launched = self._read(launched), None
+                if self.requests.failure is not None:      # the ranks were lost while it ran
+                    break
                 gone = read.ending() if read is not None else set()
                 scheduled = [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
             if not (scheduled and self.overlap and self._can_overlap(scheduled)):

@@ -152,6 +152,9 @@ class Engine:
         core = EngineCore(self.rc, runner, manager, Scheduler(self.rc, manager, checked.tokenizer.eos_token_id),
                           Sampler(runner.device, self.rc.seed), grammars, self._output_sink(checked.tokenizer),
                           self._stats, self)
+        if core.overlap:
+            report = dataclasses.replace(report, notes=(
+                *report.notes, "async scheduling: on (the next step is scheduled while one runs; async_scheduling)"))
         runner.watch(core.device_lost)             # spawned ranks: a dead one is noticed while idle too
         checked.backend.set_device(RUNNER_DEVICE)
         return core, report

@@ -63,6 +63,8 @@ def run(name: str, overrides: list[str], ps: list[list[int]], params: list[Sampl
     with runner_for_engine(runner), Appliance.from_config(rc) as app:
         results = app.generate(ps[:1], params[:1]) + app.generate(ps[1:], params[1:])
         preemptions, ahead = app.engine.scheduler.num_preemptions, app.engine.steps_ahead
+        noted = any(n.startswith("async scheduling: on") for n in app.engine.report.notes)   # the startup table's
+        assert noted == ("async_scheduling=true" in overrides)
         assert free_blocks(app.engine) == total_blocks(app.engine)
     rows = [row for step in runner.steps for row in step if not row[0].startswith("profile")]
     return results, rows, preemptions, ahead

@@ -41,9 +41,10 @@ def final(handle):
 
 
 @pytest.mark.expects_failed_steps
-def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgotten(caplog):
+@pytest.mark.parametrize("setting", ["false", "true"], ids=["sync", "async"])
+def test_a_failed_step_is_logged_and_retried_and_its_finished_requests_are_forgotten(caplog, setting):
     rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=4",
-                              "max_num_seqs=4"])
+                              "max_num_seqs=4", f"async_scheduling={setting}"])
     runner = HookedScriptedRunner(rc.model)
     engine = HookedEngine(rc, runner)
     engine.start()

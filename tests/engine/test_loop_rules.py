@@ -100,9 +100,11 @@ def test_an_abort_sent_from_the_first_delta_ends_the_request_at_the_next_step(en
     assert engine.num_in_flight() == 0 and free_blocks(engine) == total_blocks(engine)
 
 
-def test_a_finished_request_gets_no_second_final_output_at_shutdown():
+@pytest.mark.parametrize("setting", ["false", "true"], ids=["sync", "async"])
+def test_a_finished_request_gets_no_second_final_output_at_shutdown(setting):
     """The loop forgets a request once it finished: shutting the engine down aborts only what still runs."""
-    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2"])
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2",
+                              f"async_scheduling={setting}"])
     eng = HookedEngine(rc, ScriptedRunner(rc.model))
     eng.start()
     try:
@@ -119,10 +121,12 @@ def test_a_finished_request_gets_no_second_final_output_at_shutdown():
     assert handle.outputs.empty()
 
 
-def test_a_request_still_running_at_shutdown_ends_aborted_and_gives_back_its_blocks():
+@pytest.mark.parametrize("setting", ["false", "true"], ids=["sync", "async"])
+def test_a_request_still_running_at_shutdown_ends_aborted_and_gives_back_its_blocks(setting):
     """Shutdown during a step: once the step ends, the loop stops and ends what it still holds (ABORTED, no error),
     freeing its blocks (a server's drain relies on it: tests/serve/test_server_engine_drain.py)."""
-    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2"])
+    rc = load_runtime_config(["+model=qwen3_tiny", "device=cpu", "max_model_len=64", "kv_cache.num_slots_override=2",
+                              f"async_scheduling={setting}"])
     runner = HookedScriptedRunner(rc.model)
     eng = HookedEngine(rc, runner)
     eng.start()
