@@ -33,7 +33,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.parallel import RankPlace, TensorSlice
 from appliance.core.step_limits import StepShape
 from npu.collectives import Collective
-from npu.step import SeqStep, StepBatch, step_rows
+from npu.step import FedTokens, SeqStep, StepBatch, step_rows
 from npu.weights import as_expected_dtype, held_shapes, load_state_dict, random_state_dict
 
 
@@ -203,6 +203,19 @@ class ModelRunner(ABC):
                         unzeroed[p] = 0
 
     # -- steps -------------------------------------------------------------------------------------
+    # Whether execute takes StepBatch.fed (async scheduling feeds the previous step's sampled ids on the device).
+    feeds_tokens = False
+
+    @staticmethod
+    def feed_rows(tokens: torch.Tensor, flat_rows: Sequence[int], fed: FedTokens) -> None:
+        """Write the fed rows' tokens into a step's token ids on the device (tokens[flat_rows[k]] = source[the k-th fed
+        row's index]): one gather and one scatter, no host sync. flat_rows: where each fed row's token is in `tokens`,
+        in fed.rows order."""
+        device = tokens.device
+        at = torch.tensor(list(flat_rows), dtype=torch.long).to(device, non_blocking=True)
+        src = torch.tensor([k for _, k in fed.rows], dtype=torch.long).to(device, non_blocking=True)
+        tokens.index_copy_(0, at, fed.source.index_select(0, src).to(tokens.dtype))
+
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return logits [number of seqs with sample=True, vocab], in batch order, in float32 or
         the model's compute dtype (as transformers and vLLM models do: the sampler widens what it reads).

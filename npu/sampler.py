@@ -144,6 +144,28 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
         logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
+class HostCopy:
+    """Sampled ids on their way to the host, started as soon as they are drawn: on an accelerator a copy into pinned
+    memory queued right behind them, and an event, so that reading them later waits for that step's work only, never
+    for a step queued since (async scheduling launches the next step before it reads these)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.event = None
+        if ids.device.type == "cpu":
+            self.host = ids
+            return
+        self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        self.host.copy_(ids, non_blocking=True)
+        self.event = getattr(torch, ids.device.type).Event()     # torch.cuda.Event, torch.npu.Event
+        self.event.record()
+
+    def tolist(self) -> list[int]:
+        """The ids, once the copy is done (waits for it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class Sampler:
     def __init__(self, device: torch.device, base_seed: int = 0):
         self.device = device
@@ -180,6 +202,14 @@ class Sampler:
             for row, token in zip(random_rows, drawn):
                 tokens[row] = token
         return tokens
+
+    @torch.inference_mode()
+    def sample_ids(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> torch.Tensor:
+        """One token id per row as an int64 tensor on the logits' device: drawn there without a host sync on an
+        accelerator (draw); on a CPU, sample's host ids in a tensor."""
+        if logits.device.type != "cpu":
+            return self.draw(logits, rows)
+        return torch.tensor(self.sample(logits, rows), dtype=torch.long)
 
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams]]) -> torch.Tensor:

@@ -49,6 +49,16 @@ def draft_rows(seqs: list[SeqStep]) -> int:
 
 
 @dataclass
+class FedTokens:
+    """Async scheduling: decode rows whose token the previous step sampled and the host has not read yet. Row
+    `rows[k][0]` of the batch (its SeqStep holds a placeholder token) takes `source[rows[k][1]]`, the previous step's
+    sampled ids on the runner's device, written there before the model reads it (ModelRunner.feed_rows)."""
+
+    source: torch.Tensor
+    rows: list[tuple[int, int]]        # (index in StepBatch.seqs, index in source)
+
+
+@dataclass
 class StepBatch:
     seqs: list[SeqStep]
     # Pages (per group) that received a new logical page since the previous step. The runner zeroes those of
@@ -66,6 +76,8 @@ class StepBatch:
     # every expert exchange's fixed shapes, known to every rank without a collective (0: not given; the exchange
     # then reads its counts on the host).
     expert_rows: int = 0
+    # Async scheduling (one process only: a device tensor): rows whose token is still on the device (FedTokens).
+    fed: FedTokens | None = None
 
 
 def step_rows(seqs: list[SeqStep]) -> int:

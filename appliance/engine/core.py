@@ -16,16 +16,25 @@ verify of speculative rows: speculation.py); the scheduler commits the tokens an
 OutputProcessor, which makes text and RequestOutputs; in split mode a sender to the front end's), and the core
 finishes what ended before the outputs are delivered. A failing step is retried one sequence at a time.
 
-Async scheduling (rc.async_scheduling; on for accelerators): a step is launched (its device work queued, its
-computed tokens committed) and read one iteration later, so the host work between two steps overlaps the device's:
+Async scheduling (rc.async_scheduling; on for accelerators): a step is launched (its device work queued, its tokens
+drawn on the device and their copy to the host started) and read one iteration later, so the host work between two
+steps overlaps the device's. With one process (a runner that takes fed tokens, ModelRunner.feeds_tokens):
 
-    iteration N+1:  inbox -> schedule N+1 -> read N's tokens (sample; the stop rules) -> launch N+1 -> output N
+    iteration N+1:  inbox -> schedule N+1 -> launch N+1 -> read N's tokens (the stop rules) -> commit N+1 -> output N
 
-Step N's sampling rows hold an unresolved token while step N+1 is scheduled (Scheduler.commit); its rows that end
-with N's tokens are dropped from N+1 before it is launched, so N+1 computes from known tokens only and every greedy
-output is the synchronous loop's. A row that ends while its step runs (an abort, a stop string) is skipped when the
-step is read. A step with drafts or constrained rows runs synchronously (N's output first): its next step needs its
-tokens to be scheduled (drafts) or masked (grammars).
+Step N's sampling rows hold an unresolved token while step N+1 is scheduled (Scheduler.commit); N+1 is launched
+before N is read, each such row fed N's sampled id on the device (StepBatch.fed), so the device goes from N to N+1
+without waiting for the host. A row that N's token ends (EOS, a stop token id) is computed once in vain in N+1 and
+skipped when N+1 is read; a length limit is known ahead, so no row is scheduled past it. With several ranks (the
+batch is sent to them, not fed), or when N's logits are still needed (logprobs asked: a decode graph's logits are
+overwritten by the next replay), N is read first:
+
+    iteration N+1:  inbox -> schedule N+1 -> read N's tokens -> launch N+1 -> output N
+
+and N's rows that ended leave N+1 before it is launched. Either way every greedy output is the synchronous loop's. A
+row that ends while its step runs (an abort, a stop string found in the output) is skipped when the step is read. A
+step with drafts or constrained rows runs synchronously (N's output first): its next step needs its tokens to be
+scheduled (drafts) or masked (grammars).
 """
 
 from __future__ import annotations
@@ -46,7 +55,14 @@ from appliance.core.request import FinishReason, TokenLogprob
 from appliance.core.startup_report import StartupReport
 from appliance.engine.grammar import GrammarCompiler, MaskFill
 from appliance.engine.kv_cache_manager import KvCacheManager
-from appliance.engine.logprobs import add_prompt_logprobs, logits_rows, sampled_logprobs, split_draft_rows, verify_rows
+from appliance.engine.logprobs import (
+    LogitsRows,
+    add_prompt_logprobs,
+    logits_rows,
+    sampled_logprobs,
+    split_draft_rows,
+    verify_rows,
+)
 from appliance.engine.output import CoreOutput, OutputSink
 from appliance.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate
 from appliance.engine.sequence import SeqStatus, Sequence
@@ -54,7 +70,7 @@ from appliance.engine.speculation import Emitted, record_speculation, verify
 from appliance.engine.stats import GroupUsage, StatsRecorder
 from appliance.engine.step_input import StepInput, build_step
 from npu.device_group import RanksLostError
-from npu.sampler import Sampler, apply_token_bitmask
+from npu.sampler import HostCopy, Sampler, apply_token_bitmask
 from npu.step import StepExecutor
 
 log = logging.getLogger(__name__)
@@ -70,10 +86,22 @@ Masks = tuple[list[int], MaskFill] | None     # the constrained rows of a step a
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """Async scheduling: a step whose device work is queued and whose tokens are not read yet."""
+    """Async scheduling: a step whose device work is queued, its tokens drawn on the device and on their way to the
+    host (copy), not read yet. ids: those tokens on the device, one per row of step.drawn (what the next step can be
+    fed); rows / sampled: where its sampling rows are in logits, and their logits."""
 
     step: StepInput
     logits: torch.Tensor
+    rows: LogitsRows
+    sampled: torch.Tensor
+    ids: torch.Tensor
+    copy: HostCopy
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether reading it needs its logits (logprobs asked): a decode graph's logits are overwritten by the next
+        replay, so such a step is read before the next one launches."""
+        return not self.rows.only_sampled or any(s.seq.params.logprobs is not None for s in self.step.drawn)
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,8 @@ class EngineCore:
         self.thread = threading.current_thread()
         self.steps = 0
         self.overlap = async_scheduling(rc, runner.device)     # launch a step, read it one iteration later
+        # ... and launch the next before reading it, its rows fed the sampled ids on the device (one process)
+        self.feeding = self.overlap and getattr(runner, "feeds_tokens", False) and kv.num_partitions == 1
         self.steps_ahead = 0        # steps scheduled while the step before them ran (async scheduling)
         # ("add" | "abort" | "stop", a Sequence), ("flush", an Event set once the loop reaches it), or ("wake", None)
         self._inbox: queue.Queue[tuple[str, Sequence | threading.Event | None]] = queue.Queue()
@@ -196,6 +226,12 @@ class EngineCore:
             if self._stop.is_set() or self.requests.failure is not None:
                 break
             scheduled = self.scheduler.schedule()
+            if (launched is not None and self.feeding and not launched.reads_logits and scheduled
+                    and self._can_overlap(scheduled)):
+                launched = self._launch_fed(scheduled, launched)
+                if self.requests.failure is not None:
+                    break
+                continue
             read, ahead = None, launched is not None      # (scheduled while the launched step ran)
             if launched is not None:            # the previous step's tokens: its rows that end leave this step
                 read, launched = self._read(launched), None
@@ -233,13 +269,42 @@ class EngineCore:
         row to mask (a grammar must accept its token before the next mask)."""
         return not any(s.num_draft or (s.samples and s.seq.matcher is not None) for s in scheduled)
 
-    def _launch(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]]) -> LaunchedStep | None:
-        """Queue a step's device work and commit what it computes; its tokens are read next iteration (_read).
-        None when it failed to launch (counted; the caller retries it one sequence at a time) or the ranks are
-        lost."""
+    def _launch_fed(self, scheduled: list[ScheduledSeq], previous: LaunchedStep) -> LaunchedStep | None:
+        """Launch the next step before reading `previous`, its rows that wait for previous's tokens fed them on the
+        device; then read previous, commit the next step's rows still live, and make previous's output while the next
+        step runs. A row that ended with previous's token is computed once in vain and skipped when read. The next
+        step, or None if it failed to launch (then retried one sequence at a time, after previous's output)."""
+        new_pages = [self.kv.take_new_pages(p) for p in range(self.kv.num_partitions)]
+        launched = self._launch(scheduled, new_pages, (previous.ids, previous.step.drawn), commit=False)
+        read = self._read(previous)
+        if self.requests.failure is not None:
+            return None
+        gone = read.ending() if read is not None else set()
+        live = [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
+        if launched is not None:
+            still = {id(s) for s in live}
+            self.scheduler.commit([s for s in launched.step.scheduled if id(s) in still])
+            self.steps_ahead += 1
+        if read is not None:
+            self._finish(self._output(read.updates, read.sampled))
+        if launched is None:
+            self._finish(self._retry(live, new_pages))
+        return launched
+
+    def _launch(self, scheduled: list[ScheduledSeq], new_pages: list[dict[str, list[int]]],
+                fed_from: tuple[torch.Tensor, list[ScheduledSeq]] | None = None, commit: bool = True
+                ) -> LaunchedStep | None:
+        """Queue a step's device work, its sampling and the copy of its tokens to the host, and (commit) record what
+        it computes; its tokens are read next iteration (_read). fed_from: the ids of the launched step before it
+        and their rows, for its rows still waiting for those (build_step). None when it failed to launch (counted;
+        the caller retries it one sequence at a time) or the ranks are lost."""
         try:
-            step = build_step(scheduled, self.kv, new_pages)
+            step = build_step(scheduled, self.kv, new_pages, fed_from)
             logits = self._execute(step)
+            rows = logits_rows(step.steps)
+            sampled = logits if rows.only_sampled else logits.index_select(
+                0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
+            ids = self.sampler.sample_ids(sampled, [(s.seq.request_id, s.seq.params) for s in step.drawn])
         except RanksLostError as exc:
             self.device_lost(str(exc))
             return None
@@ -247,15 +312,16 @@ class EngineCore:
             log.exception("engine step failed; retrying its %d sequences one by one", len(scheduled))
             self._step_failed(exc)
             return None
-        self.scheduler.commit(step.scheduled)
-        return LaunchedStep(step, logits)
+        if commit:
+            self.scheduler.commit(step.scheduled)
+        return LaunchedStep(step, logits, rows, sampled, ids, HostCopy(ids))
 
     def _read(self, launched: LaunchedStep) -> ReadStep | None:
         """Wait for a launched step's tokens (sampling them), and apply the stop rules to its rows still live. A
         step that fails here fails its live rows (its tokens are committed: no retry can recompute them)."""
         step = launched.step
         try:
-            sampled, refused = self._sample(step, launched.logits, None)
+            sampled = self._collect(launched)
         except RanksLostError as exc:
             self.device_lost(str(exc))
             return None
@@ -268,7 +334,22 @@ class EngineCore:
                     self._finish_aborted(s.seq)
                     self._live.pop(s.seq.request_id, None)
             return None
-        return ReadStep(self.scheduler.resolve(step.samplers, _tokens(sampled), refused), sampled)
+        return ReadStep(self.scheduler.resolve(step.samplers, _tokens(sampled), {}), sampled)
+
+    def _collect(self, launched: LaunchedStep) -> dict[str, Emitted]:
+        """A launched step's tokens from the host copy (waiting for it), with the logprobs asked, by request id of
+        its rows still live (one that ended while the step ran is left out); prompt logprobs are recorded."""
+        tokens = launched.copy.tolist()
+        add_prompt_logprobs(launched.logits, launched.rows)
+        drawn = launched.step.drawn
+        live = [i for i, s in enumerate(drawn) if s.seq.status is not SeqStatus.FINISHED]
+        params = [drawn[i].seq.params for i in live]
+        sampled = launched.sampled
+        if any(p.logprobs is not None for p in params) and len(live) < len(drawn):
+            sampled = sampled.index_select(0, torch.tensor(live, dtype=torch.long, device=sampled.device))
+        logprobs = sampled_logprobs(sampled, params, [tokens[i] for i in live])
+        self.steps += 1
+        return {drawn[i].seq.request_id: ([tokens[i]], [logprob]) for i, logprob in zip(live, logprobs)}
 
     def _take_inbox(self, wait: bool) -> None:
         """Handle every item in the inbox, in order; first wait for one when `wait`."""
@@ -383,17 +464,13 @@ class EngineCore:
         if len(step.plain) < len(step.samplers):                       # verifying rows were drawn above
             logits = logits.index_select(0, torch.tensor(step.plain, dtype=torch.long, device=logits.device))
         drawn = step.drawn
-        live = [i for i, s in enumerate(drawn) if s.seq.status is not SeqStatus.FINISHED]
-        if len(live) < len(drawn):            # a launched step's rows that ended while it ran (never masked rows)
-            logits = logits.index_select(0, torch.tensor(live, dtype=torch.long, device=logits.device))
-            drawn = [drawn[i] for i in live]
         refused = self._mask_constrained(logits, [s.seq for s in drawn], masks)
         tokens = self.sampler.sample(logits, [(s.seq.request_id, s.seq.params) for s in drawn]) if drawn else []
         logprobs = sampled_logprobs(logits, [s.seq.params for s in drawn], tokens)
         self.steps += 1
         for s, token, logprob in zip(drawn, tokens, logprobs):
             emitted[id(s.seq)] = ([token], [logprob])
-        return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers if id(s.seq) in emitted}, refused
+        return {s.seq.request_id: emitted[id(s.seq)] for s in step.samplers}, refused
 
     def _update(self, step: StepInput, sampled: dict[str, Emitted], refused: dict[str, str]) -> list[SeqUpdate]:
         """Commit the step and apply the core's stop rules (Scheduler.update_from_output); count the kept drafts."""

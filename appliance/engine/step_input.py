@@ -9,12 +9,16 @@ computes (the bound of an expert-parallel exchange's fixed shapes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance.engine.kv_cache_manager import KvCacheManager
 from appliance.engine.logprobs import wants_prompt_logits
 from appliance.engine.scheduler import ScheduledSeq
 from appliance.engine.sequence import Sequence
-from npu.step import SeqStep, StepBatch, step_rows
+from npu.step import FedTokens, SeqStep, StepBatch, step_rows
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -40,18 +44,34 @@ class StepInput:
         return len(self.batches) > 1
 
 
-def build_step(scheduled: list[ScheduledSeq], kv: KvCacheManager, new_pages: list[dict[str, list[int]]]
-               ) -> StepInput:
+# The token a fed row's SeqStep holds until the runner writes the real one on the device (FedTokens).
+FED_PLACEHOLDER = 0
+
+
+def build_step(scheduled: list[ScheduledSeq], kv: KvCacheManager, new_pages: list[dict[str, list[int]]],
+               fed_from: tuple[torch.Tensor, list[ScheduledSeq]] | None = None) -> StepInput:
     """The step of `scheduled`; new_pages[p]: the pages first used by partition p's batch (the runner zeroes those
-    it must before use). Reads the sequences and their block tables, changes nothing."""
+    it must before use). Reads the sequences and their block tables, changes nothing.
+
+    fed_from (async scheduling, one partition): the previous step's sampled ids on the device and the rows they were
+    drawn for; a row whose token is one of them, not read yet (Sequence.num_unresolved), gets a placeholder and is
+    fed that id on the device (StepBatch.fed)."""
     parts = kv.num_partitions
     if parts > 1:
         scheduled = sorted(scheduled, key=lambda s: kv.partition_of(s.seq.request_id))
     batches = [StepBatch(seqs=[], new_pages=pages) for pages in new_pages]
     steps = []
+    source = {id(d.seq): k for k, d in enumerate(fed_from[1])} if fed_from is not None else {}
+    fed: list[tuple[int, int]] = []
     for s in scheduled:
         start = s.seq.num_computed_tokens
-        step = SeqStep(request_id=s.seq.request_id, token_ids=s.seq.token_ids[start:start + s.num_new_tokens],
+        tokens = s.seq.token_ids[start:start + s.num_new_tokens]
+        if s.seq.num_unresolved:
+            if id(s.seq) not in source or parts > 1 or s.num_new_tokens != 1:
+                raise ValueError(f"request {s.seq.request_id!r}: its token is not read yet and no step feeds it")
+            fed.append((len(batches[0].seqs), source[id(s.seq)]))
+            tokens = [FED_PLACEHOLDER]
+        step = SeqStep(request_id=s.seq.request_id, token_ids=tokens,
                        start_pos=start, block_tables=kv.block_tables(s.seq.request_id), sample=s.samples,
                        all_logits=wants_prompt_logits(s.seq, start, s.num_new_tokens),
                        prompt_len=s.seq.num_prompt_tokens, num_draft=s.num_draft)
@@ -61,6 +81,9 @@ def build_step(scheduled: list[ScheduledSeq], kv: KvCacheManager, new_pages: lis
     for batch in batches:
         batch.draft_passes = max((s.num_draft for s in scheduled), default=0)
         batch.expert_rows = expert_rows
+    if fed:
+        assert fed_from is not None
+        batches[0].fed = FedTokens(fed_from[0], fed)
     samplers = [s for s in scheduled if s.samples]
     plain = [i for i, s in enumerate(samplers) if not s.num_draft]
     return StepInput(scheduled, batches, steps, samplers, plain, [samplers[i] for i in plain])

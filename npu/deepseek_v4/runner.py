@@ -66,6 +66,8 @@ from npu.weights import is_norm_weight, random_seed
 class DeepseekV4Runner(ModelRunner):
     """DeepSeek V4 over paged caches: sliding window (ori), CSA (cmp_c{small}, idx) and HCA (cmp_c{large})."""
 
+    feeds_tokens = True
+
     def __init__(self, model: ModelSpec, device: torch.device | str, place: RankPlace | None = None):
         super().__init__(model, torch.device(device), place)
         lay = model.layout
@@ -293,6 +295,9 @@ class DeepseekV4Runner(ModelRunner):
         plan = build_plan(self.model, StepBatch(seqs, batch.new_pages, batch.worst_case), list(self.kinds.values()),
                           self.device)
         feed_tokens(plan, seqs, fed)
+        if batch.fed is not None:              # async scheduling (never with drafts: seqs are the batch's)
+            starts = flat_starts(seqs)
+            self.feed_rows(plan.token_ids, [starts[i] for i, _ in batch.fed.rows], batch.fed)
         x = self.weight("embed.weight")[plan.token_ids]
         streams = x.unsqueeze(1).expand(-1, lay.hc_mult, -1).contiguous()
         rot = self.attention.rotations(plan)

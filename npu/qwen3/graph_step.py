@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.core.archs.qwen3.layout import KV
-from npu.step import SeqStep, StepBatch
+from npu.step import FedTokens, SeqStep, StepBatch
 
 
 def decode_only(batch: StepBatch) -> bool:
@@ -43,6 +43,7 @@ class GraphStep:
 
     rows: int
     host: torch.Tensor
+    fed: FedTokens | None = None       # async scheduling: rows whose token the runner writes on the device
 
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, batch: int, width: int,

@@ -64,6 +64,8 @@ class _Layer:
 class Qwen3Runner(ModelRunner):
     """Qwen3ForCausalLM (dense) on paged KV; logits of the last token of each sampled sequence."""
 
+    feeds_tokens = True
+
     def __init__(self, model: ModelSpec, device: torch.device | str, place: RankPlace | None = None):
         super().__init__(model, torch.device(device), place)
         lay = model.layout
@@ -212,10 +214,14 @@ class Qwen3Runner(ModelRunner):
         half = self.num_kv_heads * self.head_dim       # one token's K (or V): a row of a plane
         bucket = self.graphs.bucket(len(batch.seqs)) if self.graphs is not None and decode_only(batch) else None
         if bucket is not None:
-            return GraphStep.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, bucket,
-                                   self.graph_pages, self.scratch_page(KV, 0))
-        return StepLayout.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
-                                 fused=self.fused_attention is not None, paged=self._paged(pool))
+            graph_step = GraphStep.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half, bucket,
+                                         self.graph_pages, self.scratch_page(KV, 0))
+            graph_step.fed = batch.fed
+            return graph_step
+        layout = StepLayout.build(batch.seqs, self.block_size, pool.shape[1], pool.stride(1) // half,
+                                  fused=self.fused_attention is not None, paged=self._paged(pool))
+        layout.fed = batch.fed
+        return layout
 
     def _paged(self, pool: torch.Tensor) -> bool:
         return self.paged_decode is not None and pool.dtype == self.dtype
@@ -228,8 +234,17 @@ class Qwen3Runner(ModelRunner):
             return torch.empty(0, self.model.layout.vocab_size, dtype=self.dtype, device=self.device)
         if isinstance(layout, GraphStep):
             assert self.graphs is not None
-            return self.graphs.replay(layout.rows, lambda inputs: inputs.buffer.copy_(layout.host, non_blocking=True))
-        return self._run(StepMeta.upload(layout, self._arange, self._parity, self.device))
+            fed = layout.fed
+
+            def fill(inputs: StaticDecode) -> None:
+                inputs.buffer.copy_(layout.host, non_blocking=True)
+                if fed is not None:                     # row i of a graph step is the batch's sequence i
+                    self.feed_rows(inputs.tokens, [i for i, _ in fed.rows], fed)
+            return self.graphs.replay(layout.rows, fill)
+        meta = StepMeta.upload(layout, self._arange, self._parity, self.device)
+        if layout.fed is not None:
+            self.feed_rows(meta.tokens, [layout.last_rows[i] for i, _ in layout.fed.rows], layout.fed)
+        return self._run(meta)
 
     def _run(self, meta: "StepMeta") -> torch.Tensor:
         """The layers over one step's device metadata: the logits of its sampled rows."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import array
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from appliance.core.archs.qwen3.layout import KV
-from npu.step import SeqStep, logits_offsets
+from npu.step import FedTokens, SeqStep, logits_offsets
 
 # Padding (token rows) a separate decode bucket must save to pay for its own gather and attention call;
 # measured with the tiny model on CPU, where one call costs about as much as attending over 1k token rows.
@@ -51,6 +51,8 @@ class StepLayout:
     chunks: list[tuple[int, int, int, int]]         # prefill chunks: (first row, length, start_pos, pages used)
     paged: bool                        # decode rows for the CPU paged kernel (no padding mask)
     fused: tuple[torch.Tensor, list[int], list[int]] | None   # the fused kernel's host block table and lengths
+    last_rows: list[int] = field(default_factory=list)  # per sequence (batch order), the flat row of its last token
+    fed: FedTokens | None = None       # async scheduling: rows whose token the runner writes on the device
 
     @staticmethod
     def build(seqs: list[SeqStep], block_size: int, num_pages: int, page_stride: int, fused: bool = False,
@@ -107,7 +109,7 @@ class StepLayout:
                              f"in {bad.block_tables[KV]}")
         return StepLayout(host, n, len(pages), len(sample), len(sample) == n and sample == list(range(n)),
                            max(positions), decodes, chunk_rows, paged,
-                           fused_step([e[1:] for e in dec + chunks]) if fused else None)
+                           fused_step([e[1:] for e in dec + chunks]) if fused else None, last_row)
 
 
 def fused_step(order: list[tuple[SeqStep, list[int]]]) -> tuple[torch.Tensor, list[int], list[int]]:

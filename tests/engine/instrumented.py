@@ -8,6 +8,7 @@ argument); everything else (planning, pools, scheduler, sampler, stop rules, str
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,7 +107,13 @@ class ScriptedRunner(ShapeOnlyRunner):
     def script(self, request_id: str, prompt: Sequence[int], outputs: Sequence[int]) -> None:
         self.scripts[request_id] = [*prompt, *outputs]
 
+    feeds_tokens = True      # async scheduling's fed rows are checked like the others (their token read here)
+
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        if batch.fed is not None:
+            fed = dict(batch.fed.rows)
+            batch.seqs = [dataclasses.replace(s, token_ids=[int(batch.fed.source[fed[i]])]) if i in fed else s
+                          for i, s in enumerate(batch.seqs)]
         rows = [s for s in batch.seqs if s.sample]
         logits = torch.zeros(len(rows), self.model.layout.vocab_size)
         for i, s in enumerate(rows):

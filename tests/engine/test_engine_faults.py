@@ -37,7 +37,7 @@ def test_pages_announced_to_a_failed_step_reach_the_next_step_that_runs():
     try:
         rng = random.Random(3)
         greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-        gate = engine.submit("gate", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        gate = engine.submit("gate", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))   # (runs past the hold)
         gate.outputs.get(timeout=120)
         runner.fail_from["poison"] = 0
         with loop_held(runner):           # all of them are admitted together in the step after the hold
