@@ -18,9 +18,9 @@ A ue8m0 byte e is 2 ** (e - 127); the scales were checked at load (no 0xFF). Val
 the formats' definitions, so the kernel has one meaning on every device and in Triton's interpreter.
 
 Tiles: each group's rows are cut into BLOCK_M-row tiles, laid out group after group; group_tiles computes, on the
-device, each tile's (group, first row, end row), with no host sync (where the groups' sizes are known on the host,
-a quantized linear's one group or wo_a's equal row blocks, uniform_tiles makes the same table there, uploaded once
-per row count; and the three GEMMs of a swiglu share one table). The grid is a static bound, cdiv(P, BLOCK_M) +
+device in one launch, each tile's (group, first row, end row), with no host sync (where the groups' sizes are known
+on the host, a quantized linear's one group or wo_a's equal row blocks, uniform_tiles makes the same table there,
+uploaded once per row count; and the three GEMMs of a swiglu share one table). The grid is a static bound, cdiv(P, BLOCK_M) +
 min(G, P) tiles x cdiv(N, BLOCK_N) column blocks, so a step of P rows always launches the same grid (CUDA graph
 capture); tiles past the last exit at once and a group with no rows costs nothing. Each program accumulates
 [BLOCK_M, BLOCK_N] in float32 over K in BLOCK_K steps and stores in the rows' dtype, as torch._grouped_mm does.
@@ -111,15 +111,74 @@ def block_m(rows: int, groups: int) -> int:
     return 16 if rows < 16 * groups else 64
 
 
+if triton is not None:
+    @triton.jit(do_not_specialize=["groups", "num_tiles"])
+    def _group_tiles(ends_ptr, out_ptr, groups, num_tiles, ROWS_PER_TILE: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+        """group_tiles_torch in one program: the groups' tile counts and their running sum in registers, then for
+        each tile its group (how many groups end at or before it: searchsorted right) and that group's first row,
+        picked by masked sums (registers cannot be gathered)."""
+        gs = tl.arange(0, BLOCK_G)
+        live_g = gs < groups
+        ends = tl.load(ends_ptr + gs, mask=live_g, other=0).to(tl.int64)
+        starts = tl.load(ends_ptr + gs - 1, mask=live_g & (gs > 0), other=0).to(tl.int64)
+        tiles = tl.where(live_g, (ends - starts + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
+        tile_ends = tl.cumsum(tiles, 0)
+        tile_starts = tile_ends - tiles
+        last = gs == groups - 1                 # past the last tile: the last group's numbers (group_tiles clamps)
+        last_end = tl.sum(tl.where(last, ends, 0), 0)
+        last_start = tl.sum(tl.where(last, starts, 0), 0)
+        last_tile = tl.sum(tl.where(last, tile_starts, 0), 0)
+        for t0 in range(0, num_tiles, BLOCK_T):
+            index = t0 + tl.arange(0, BLOCK_T)
+            before = (tile_ends[None, :] <= index[:, None]) & live_g[None, :]
+            group = tl.sum(before.to(tl.int64), 1)
+            live = group < groups
+            pick = gs[None, :] == group[:, None]
+            start = tl.where(live, tl.sum(tl.where(pick, starts[None, :], 0), 1), last_start)
+            first_tile = tl.where(live, tl.sum(tl.where(pick, tile_starts[None, :], 0), 1), last_tile)
+            end = tl.where(live, tl.sum(tl.where(pick, ends[None, :], 0), 1), last_end)
+            kept = index < num_tiles
+            tl.store(out_ptr + index, tl.where(live, group, -1).to(tl.int32), mask=kept)
+            tl.store(out_ptr + num_tiles + index, (start + (index - first_tile) * ROWS_PER_TILE).to(tl.int32),
+                     mask=kept)
+            tl.store(out_ptr + 2 * num_tiles + index, end.to(tl.int32), mask=kept)
+
+
+def num_tiles(groups: int, num_rows: int, rows_per_tile: int) -> int:
+    """The tile table's static length: every group's partial last tile at most, so no step's counts can overflow it."""
+    return -(-num_rows // rows_per_tile) + min(groups, num_rows)
+
+
+@torch.library.custom_op("appliance::group_tiles", mutates_args=())
 def group_tiles(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.Tensor:
     """int32 [3, T]: for each of the T = cdiv(num_rows, rows_per_tile) + min(G, num_rows) tiles its group (-1 past the
-    last tile), first row and end row; computed on the device from the groups' ends, with no host sync."""
+    last tile), first row and end row; computed on the device from the groups' ends, with no host sync. One Triton
+    launch (_group_tiles) where the kernel runs, else group_tiles_torch (a dozen small ops)."""
+    if not grouped_gemm_applies(ends.device, torch.float32):
+        return group_tiles_torch(ends, num_rows, rows_per_tile)
+    groups = ends.numel()
+    total = num_tiles(groups, num_rows, rows_per_tile)
+    out = torch.empty(3, total, dtype=torch.int32, device=ends.device)
+    if total:
+        _group_tiles[(1,)](ends.contiguous(), out, groups, total, ROWS_PER_TILE=rows_per_tile,
+                           BLOCK_G=triton.next_power_of_2(max(groups, 2)), BLOCK_T=64)
+    return out
+
+
+@group_tiles.register_fake
+def _group_tiles_shape(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.Tensor:
+    return torch.empty(3, num_tiles(ends.numel(), num_rows, rows_per_tile), dtype=torch.int32, device=ends.device)
+
+
+def group_tiles_torch(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.Tensor:
+    """group_tiles in torch ops (the reference the kernel is tested against, and where Triton does not run)."""
     ends = ends.to(torch.int64)
     groups = ends.numel()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + rows_per_tile - 1) // rows_per_tile
     tile_ends = torch.cumsum(tiles, 0)
-    index = torch.arange(-(-num_rows // rows_per_tile) + min(groups, num_rows), device=ends.device)
+    index = torch.arange(num_tiles(groups, num_rows, rows_per_tile), device=ends.device)
     group = torch.searchsorted(tile_ends, index, right=True)
     live = group < groups
     g = group.clamp(max=groups - 1)
@@ -131,7 +190,7 @@ def group_tiles(ends: torch.Tensor, num_rows: int, rows_per_tile: int) -> torch.
 def uniform_tiles(groups: int, rows_per_group: int, rows_per_tile: int, device: torch.device) -> torch.Tensor:
     """group_tiles for `groups` groups of rows_per_group rows each (one FP8 linear: one group; wo_a: its o_groups row
     blocks), made on the host, where all of it is known, and uploaded once per shape: a decode step's quantized
-    linears then spend no launch on their tile table (group_tiles is a dozen small ops). The same table
+    linears then spend no launch on their tile table. The same table
     group_tiles makes, padding tiles included (tests/npu/test_grouped_gemm_triton.py); read-only to its users."""
     ends = [(g + 1) * rows_per_group for g in range(groups)]
     per_group = -(-rows_per_group // rows_per_tile)

@@ -28,8 +28,10 @@ def test_the_kernel_takes_each_hc_pre_to_one_launch(one_torch_thread):
 
 def test_quantized_linears_make_no_tile_table_and_each_swiglu_makes_one(one_torch_thread):
     """As released (FP8 linears, FP4 experts): the linears' and wo_a's tables come made from the host (uniform_tiles),
-    and a MoE layer's three expert GEMMs share one; searchsorted runs only for the experts' ends and that table."""
+    and a MoE layer's three expert GEMMs share one, made in one launch (group_tiles' kernel); searchsorted runs only
+    for the experts' ends."""
     ops = count_device_ops.decode_ops("dsv4_fp8", 1)["Sinkhorn kernel (as built on CUDA)"]
     layers = LAYOUT.num_layers
     assert ops["appliance::grouped_gemm"] > 3 * layers               # the linears run through the kernel too
-    assert ops["aten::searchsorted"] == 2 * layers
+    assert ops["appliance::group_tiles"] == layers
+    assert ops["aten::searchsorted"] == layers

@@ -15,7 +15,13 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's interpreter")]
 triton = pytest.importorskip("triton")
 
-from npu.grouped_gemm_triton import group_tiles, triton_grouped_gemm, triton_grouped_linear, uniform_tiles  # noqa: E402
+from npu.grouped_gemm_triton import (  # noqa: E402
+    group_tiles,
+    group_tiles_torch,
+    triton_grouped_gemm,
+    triton_grouped_linear,
+    uniform_tiles,
+)
 from npu.quant import QuantizedWeight, quantize_fp4, quantize_fp8  # noqa: E402
 
 
@@ -111,6 +117,24 @@ def test_row_blocks_that_straddle_a_scale_block_are_refused():
     assert weight.row_blocks(4) is None
     with pytest.raises(ValueError, match="not 5 blocks of rows"):
         weight.row_blocks(5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("rows_per_tile", [16, 64])
+def test_the_one_launch_tile_table_is_the_torch_ops_table(seed, rows_per_tile):
+    """group_tiles' kernel (one program: the running sum of tile counts in registers) against the torch ops, every
+    entry: 1 to 300 groups (DeepSeek V4 has 256 experts), empty groups, a step with no rows, tables past 64 tiles (its
+    loop over 64-tile blocks) and the spare tiles past the last, which point at the last group."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = [1, 3, 17, 256, 300, 64][seed]
+    sizes = torch.randint(0, 40, (groups,), generator=gen) * (torch.rand(groups, generator=gen) < 0.6)
+    if seed == 5:
+        sizes.zero_()
+    ends = sizes.cumsum(0).to(torch.int32)
+    want = group_tiles_torch(ends, int(sizes.sum()), rows_per_tile)
+    got = group_tiles(ends, int(sizes.sum()), rows_per_tile)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 8])
