@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.core.archs.deepseek_v4.layout import DeepseekV4Layout
+from npu.deepseek_v4.rope_triton import rotate, rotation_kernel_applies
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -42,16 +43,19 @@ class Rotation:
     cos: torch.Tensor           # [N, dim], each angle repeated for its pair
     sin: torch.Tensor           # [N, dim], the pair's first channel negated: rotates (a, b) as (b, a) x sin
     inverse_sin: torch.Tensor   # -sin, for rotating back
+    fused: bool = False         # one launch per rotation (npu/deepseek_v4/rope_triton.py: a CUDA device with Triton)
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the trailing `dim` channels of x [N, ..., width] (pairs 2i, 2i + 1); inverse rotates back.
         Pair (a, b) -> (a cos - b sin, b cos + a sin): the swapped pair (b, a) times the signed sin gives the
         second products, (-b) sin computed as b (-sin), which is the same number."""
+        sin = self.inverse_sin if inverse else self.sin
+        if self.fused:
+            return rotate(x, self.cos, sin)
         dim = self.cos.shape[-1]
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim,)
         keep, rope = x[..., : x.shape[-1] - dim], x[..., x.shape[-1] - dim:]
         swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        sin = self.inverse_sin if inverse else self.sin
         rotated = (rope.float() * self.cos.view(shape) + swapped.float() * sin.view(shape)).to(x.dtype)
         return torch.cat([keep, rotated], dim=-1)
 
@@ -65,7 +69,8 @@ class Rope:
         angle = pos.to(torch.float32)[:, None] * self.inv_freq                  # [N, dim / 2]
         sin = angle.sin().to(self.dtype)
         signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1), signed, -signed)
+        return Rotation(angle.cos().to(self.dtype).repeat_interleave(2, dim=-1), signed, -signed,
+                        rotation_kernel_applies(pos.device))
 
 
 def layer_ropes(layout: DeepseekV4Layout, device: torch.device, dtype: torch.dtype) -> dict[bool, Rope]:
