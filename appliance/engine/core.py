@@ -217,7 +217,8 @@ class EngineCore:
     # -- the loop (its thread) ------------------------------------------------------------------------
     def run(self) -> None:
         """Loop on the core's thread until shutdown or the failure: publish the figures, take the inbox, schedule,
-        and step (execute -> sample -> update -> output); then end what is left (_end_all)."""
+        and step (execute -> sample -> update -> output; with async scheduling split over two iterations, see the
+        module docstring); then end what is left (_end_all)."""
         launched: LaunchedStep | None = None
         while not self._stop.is_set() and self.requests.failure is None:
             self._publish_stats()
@@ -317,8 +318,8 @@ class EngineCore:
         return LaunchedStep(step, logits, rows, sampled, ids, HostCopy(ids))
 
     def _read(self, launched: LaunchedStep) -> ReadStep | None:
-        """Wait for a launched step's tokens (sampling them), and apply the stop rules to its rows still live. A
-        step that fails here fails its live rows (its tokens are committed: no retry can recompute them)."""
+        """Wait for a launched step's tokens (their copy to the host), and apply the stop rules to its rows still
+        live. A step that fails here fails its live rows (its tokens are committed: no retry can recompute them)."""
         step = launched.step
         try:
             sampled = self._collect(launched)
