@@ -1,5 +1,6 @@
-"""Async scheduling (appliance/engine/core.py, Scheduler.commit / resolve): step N+1 is scheduled while step N runs and
-launched once N's tokens are read, on the real tiny runners.
+"""Async scheduling (appliance/engine/core.py, Scheduler.commit / resolve): step N+1 is scheduled while step N runs, and
+launched before N's tokens are read (its rows fed them on the device) or, where N's logits are still needed, after,
+on the real tiny runners.
 
 - The overlap happens: with it on, the next step is scheduled while one is in flight (engine.steps_ahead counts
   them), and a runner that takes fed tokens has it launched before the one in flight is read; with it off, never.
