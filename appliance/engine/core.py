@@ -116,6 +116,12 @@ class ReadStep:
         return {id(u.seq) for u in self.updates if u.finish_reason is not None}
 
 
+def still_live(scheduled: list[ScheduledSeq], read: ReadStep | None) -> list[ScheduledSeq]:
+    """The rows of a step scheduled before `read` was read that it did not end (nor anything else since)."""
+    gone = read.ending() if read is not None else set()
+    return [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
+
+
 def async_scheduling(rc: RuntimeConfig, device: torch.device) -> bool:
     """rc.async_scheduling, or when null: on off the CPU without speculative decoding. A CPU step runs on the loop's
     thread, so there is no device work to overlap; a verifying row's next step needs its drafts' tokens."""
@@ -238,8 +244,7 @@ class EngineCore:
                 read, launched = self._read(launched), None
                 if self.requests.failure is not None:      # the ranks were lost while it ran
                     break
-                gone = read.ending() if read is not None else set()
-                scheduled = [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
+                scheduled = still_live(scheduled, read)
             if not (scheduled and self.overlap and self._can_overlap(scheduled)):
                 if read is not None:            # (before the next step's outputs, which may be the same rows')
                     self._finish(self._output(read.updates, read.sampled))
@@ -280,8 +285,7 @@ class EngineCore:
         read = self._read(previous)
         if self.requests.failure is not None:
             return None
-        gone = read.ending() if read is not None else set()
-        live = [s for s in scheduled if id(s.seq) not in gone and s.seq.status is not SeqStatus.FINISHED]
+        live = still_live(scheduled, read)
         if launched is not None:
             still = {id(s) for s in live}
             self.scheduler.commit([s for s in launched.step.scheduled if id(s) in still])
@@ -303,8 +307,7 @@ class EngineCore:
             step = build_step(scheduled, self.kv, new_pages, fed_from)
             logits = self._execute(step)
             rows = logits_rows(step.steps)
-            sampled = logits if rows.only_sampled else logits.index_select(
-                0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
+            sampled = rows.sampled(logits)
             ids = self.sampler.sample_ids(sampled, [(s.seq.request_id, s.seq.params) for s in step.drawn])
         except RanksLostError as exc:
             self.device_lost(str(exc))
@@ -461,7 +464,7 @@ class EngineCore:
             emitted = verify(self.sampler, logits, drafted, verified)
         if not rows.only_sampled:
             add_prompt_logprobs(logits, rows)
-            logits = logits.index_select(0, torch.tensor(rows.sample_rows, dtype=torch.long, device=logits.device))
+            logits = rows.sampled(logits)
         if len(step.plain) < len(step.samplers):                       # verifying rows were drawn above
             logits = logits.index_select(0, torch.tensor(step.plain, dtype=torch.long, device=logits.device))
         drawn = step.drawn

@@ -43,6 +43,12 @@ class LogitsRows:
     def only_sampled(self) -> bool:
         return not self.prompt_rows and self.sample_rows == list(range(len(self.sample_rows)))
 
+    def sampled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling rows of a step's logits, in step order (the logits themselves when they are just those)."""
+        if self.only_sampled:
+            return logits
+        return logits.index_select(0, torch.tensor(self.sample_rows, dtype=torch.long, device=logits.device))
+
 
 def logits_rows(steps: list[tuple[Sequence, SeqStep]]) -> LogitsRows:
     """Where each sequence's rows are in the step's logits, in step order."""
