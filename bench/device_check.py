@@ -22,6 +22,9 @@ device-check/<UTC time>/) and prints the summary.
     d  DeepSeek V4 at its real widths with 6 of its 43 layers (FP8 linears, FP4 experts, 256 experts, 7 cache
        groups) at 0.85, the same check, and first one 128-token prompt alone (issue 33: TTFT <= 250 ms; the full
        load's TPOT is its decode step at batch 16)
+    j  the same DeepSeek V4 with decode_batch 64: steady decode step at batch 1, 16 and 64 (issue 33: <= 50 ms at
+       16), and a profile of decode steps at batch 64 (j_profile.txt: kernel launches, device busy time against
+       the wall time, the top ops), which says whether its eager step is bound by the host or by the device
     e  `python -m appliance` on the Qwen3-8B layout at utilization 0.5 (c's settings): health, c's 64 x 128 -> 128
        workload as 64 concurrent streamed HTTP completions (after one warm-up request), /metrics per cache group,
        SIGTERM -> exit 0; the served tok/s against c's in-process tok/s on the same workload (issue 37: >= 0.9,
@@ -29,7 +32,7 @@ device-check/<UTC time>/) and prints the summary.
 
 Each line runs in its own process with a time limit; a failing line is reported and the others still run; the
 command exits 1 if any line failed. Lines run most important first and are skipped, named, when the overall
-deadline (DEVICE_CHECK_DEADLINE_S, default 460 s) would be passed.
+deadline (DEVICE_CHECK_DEADLINE_S, default 500 s) would be passed.
 
 Offline (the GPU host has no network): on a connected host `make wheelhouse` fills wheelhouse/ with this project's
 dependencies for the GPU host's Python, then there `pip install --no-index --find-links wheelhouse -e .` (README,
@@ -59,6 +62,7 @@ QWEN3_8B = ["+model=qwen3" if ON_GPU else "+model=qwen3_tiny", "max_model_len=10
 DSV4_6 = (["+model=dsv4", "model.layout.num_layers=6", "model.layout.compress_ratios=[0,0,4,128,4,128,0]"]
           if ON_GPU else ["+model=dsv4_tiny"]) + ["max_model_len=1024", "max_num_seqs=16", "decode_batch=16",
                                                    "max_num_batched_tokens=4096", f"device={DEVICE}"]
+DSV4_6_SPEED = [*DSV4_6, "max_num_seqs=64", "decode_batch=64"]     # issue 33 item 6: decode at batch 16 and 64
 SPEED = (64, 128, 128)          # requests, prompt tokens, output tokens: issue 33's Qwen3-8B workload
 FULL_OUTPUT = 32                # output tokens of the full-load requests (prompts fill the rest of max_model_len)
 DECODE_BATCHES = (1, 16, 64)    # steady decode step time at these batch sizes (16-token prompts, 64 new tokens)
@@ -145,13 +149,14 @@ def load_command(args: argparse.Namespace) -> dict:
                 out["speed" if rep == 0 else f"speed_{rep + 1}"] = run_workload(
                     engine, [([3 + (i * 7919 + j + rep) % (vocab - 3) for j in range(prompt)], new) for i in range(n)],
                     prefix=f"speed{rep}")
+        if args.speed or args.decode:
             out["decode_step_ms"] = {}              # steady decode: TPOT of n rows with short prompts
-            for rows in DECODE_BATCHES:
+            for rows in (b for b in DECODE_BATCHES if b <= rc.decode_batch):
                 m = run_workload(engine, [([3 + (i * 31 + j) % (vocab - 3) for j in range(16)], 64)
                                           for i in range(rows)], prefix=f"decode{rows}")
                 out["decode_step_ms"][rows] = m["tpot_p50_s"] * 1e3
             if args.profile:
-                out["profile"] = profile_decode(engine, vocab, args.out)
+                out["profile"] = profile_decode(engine, vocab, args.out, args.key, min(64, rc.decode_batch))
         if not args.no_full:
             full = rc.max_model_len - FULL_OUTPUT
             rows = rc.decode_batch
@@ -176,23 +181,31 @@ def load_command(args: argparse.Namespace) -> dict:
     return out
 
 
-def profile_decode(engine, vocab: int, out_dir: str) -> str:
-    """torch.profiler over a few decode steps at batch 64: the top ops by device and host time (issue 33's
-    starting point), written to profile.txt; returns the first lines."""
+def profile_decode(engine, vocab: int, out_dir: str, key: str, rows: int) -> str:
+    """torch.profiler over a few decode steps at batch `rows`: the top ops by device and host time (issue 33's
+    starting point: where an eager step's time goes), written to <key>_profile.txt; returns the first lines."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from appliance.modes.bench import run_workload
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if ON_GPU else [])]) as prof:
-        run_workload(engine, [([3 + (i * 13 + j) % (vocab - 3) for j in range(16)], 6) for i in range(64)],
+        t0 = time.perf_counter()
+        run_workload(engine, [([3 + (i * 13 + j) % (vocab - 3) for j in range(16)], 6) for i in range(rows)],
                      prefix="profile")
-    if ON_GPU:
-        torch.cuda.synchronize()
-    keys = ("cuda_time_total", "cpu_time_total") if ON_GPU else ("cpu_time_total",)
-    tables = [prof.key_averages().table(sort_by=key, row_limit=18) for key in keys]
-    text = "\n\n".join(tables)
-    Path(out_dir, "profile.txt").write_text(text)
-    return tables[0]
+        if ON_GPU:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    # Whether the device or the host bounds a step: the kernels' own time against the wall time, and how many
+    # launches the host issued (an eager step's launches each cost host time, a replayed graph's do not).
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    device_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    head = (f"{rows} rows x 16 prompt tokens -> 6 new tokens (prefill and 5 decode steps), wall {wall_ms:.0f} ms; "
+            f"kernel launches {launches}; device busy {device_ms:.0f} ms (kernels' own time)")
+    sorts = ("cuda_time_total", "cpu_time_total") if ON_GPU else ("cpu_time_total",)
+    tables = [events.table(sort_by=sort, row_limit=18) for sort in sorts]
+    Path(out_dir, f"{key}_profile.txt").write_text(head + "\n\n" + "\n\n".join(tables))
+    return head + "\n" + tables[0]
 
 
 def hf_generate_command(args: argparse.Namespace) -> dict:
@@ -299,7 +312,7 @@ def line_memory(out: Path, key: str, title: str, overrides: list[str], util: flo
     line = Line(key, title)
     log = out / f"{key}.log"
     cmd = [sys.executable, str(Path(__file__)), "load", "--util", str(util), "--baseline", str(baseline),
-           "--out", str(out), *flags, "--", *overrides]
+           "--out", str(out), "--key", key, *flags, "--", *overrides]
     proc = run(cmd, log, 240)
     if proc.returncode != 0:
         line.status, line.detail = "FAIL", f"exit {proc.returncode}: {tail(log)}"
@@ -318,13 +331,16 @@ def line_memory(out: Path, key: str, title: str, overrides: list[str], util: flo
                      f"{f['tpot_p50_s'] * 1e3:.1f} ms")
     if "speed" in r:
         s = r["speed"]
-        steps = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in r["decode_step_ms"].items())
         parts.append(f"64 x 128 -> 128: {s['output_tokens_per_s']:.0f} tok/s, TPOT p50 {s['tpot_p50_s'] * 1e3:.1f} ms, "
-                     f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; decode step {steps}")
+                     f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms")
+    if "decode_step_ms" in r:
+        parts.append("decode step " + ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in r["decode_step_ms"].items()))
     if "single" in r:
         one = r["single"]
         parts.append(f"one {one['prompt_tokens']}-token prompt alone: TTFT {one['ttft_p50_s'] * 1e3:.0f} ms, TPOT "
                      f"{one['tpot_p50_s'] * 1e3:.1f} ms")
+    if "profile" in r:
+        parts.append("profile: " + r["profile"].splitlines()[0])
     parts.append("graphs: " + (r["graphs"][0] if r["graphs"] else "off"))
     line.detail = "; ".join(parts)
     return line
@@ -471,7 +487,10 @@ def main() -> int:
     load.add_argument("--baseline", type=int, required=True)
     load.add_argument("--out", default=".")
     load.add_argument("--speed", action="store_true")
+    load.add_argument("--decode", action="store_true", help="the steady decode steps (and --profile) without --speed's "
+                      "64 x 128 -> 128 workload")
     load.add_argument("--profile", action="store_true")
+    load.add_argument("--key", default="load", help="the line's key: names its profile file")
     load.add_argument("--no-full", action="store_true")
     load.add_argument("--repeat", type=int, default=1, help="runs of the speed workload")
     load.add_argument("--single", type=int, default=0, help="first, one prompt of this many tokens alone (TTFT)")
@@ -488,7 +507,7 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     out = Path(os.environ.get("DEVICE_CHECK_OUT") or REPO / "device-check" / started.replace(" ", "T"))
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + float(os.environ.get("DEVICE_CHECK_DEADLINE_S", "460"))
+    deadline = time.monotonic() + float(os.environ.get("DEVICE_CHECK_DEADLINE_S", "500"))
     gpu = "cpu (DEVICE_CHECK_DEVICE=cpu: the check's logic only)" if not ON_GPU else subprocess.run(
         ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
         capture_output=True, text=True).stdout.strip()
@@ -504,6 +523,9 @@ def main() -> int:
         ("h", 40, lambda: line_grouped_gemm(out)),
         ("d", 80, lambda: line_memory(out, "d", "DeepSeek V4 real widths, 6 layers, at utilization 0.85, full load",
                                       DSV4_6, 0.85, baseline, "--single", "128")),
+        ("j", 70, lambda: line_memory(out, "j", "DeepSeek V4 real widths, 6 layers: decode steps at batch 1, 16 and 64, "
+                                      "and a profile of them", DSV4_6_SPEED, 0.85, baseline, "--decode", "--profile",
+                                      "--no-full")),
         ("e", 50, lambda: line_serve(out, next((ln for ln in lines if ln.key == "c-0.5"), None))),
         ("i", 50, lambda: line_memory(out, "i", "Qwen3-8B layout speed with async_scheduling=false (synchronous loop)",
                                       [*QWEN3_8B, "async_scheduling=false"], 0.5, baseline, "--speed", "--no-full")),
