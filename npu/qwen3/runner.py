@@ -17,8 +17,10 @@ their fused kernels:
   (GQA without repeating K/V), masked only where contexts differ. Rows of very different lengths are
   split into a few buckets by context length, so short contexts are not padded to the longest one;
 - chunks from position 0: causal SDPA on their own K/V, one call for all chunks of equal length;
-- chunks after cached tokens (later chunks, prefix-cache hits): SDPA over their gathered pages with an
-  offset causal mask, one call for chunks of the same start and length (up to GROUP_GATHER_TOKENS).
+- chunks after cached tokens (later chunks, prefix-cache hits): a kernel reading their pages in place (the CPU
+  flash kernel, npu.prefill_attention_cpu; on a GPU a Triton kernel, npu.prefill_attention_triton); otherwise SDPA
+  over their gathered pages with an offset causal mask; one call for chunks of the same start and length (up to
+  GROUP_GATHER_TOKENS).
 Row indices come from the pool tensor's strides at each step, so no pool size is baked in anywhere.
 """
 
@@ -41,6 +43,7 @@ from npu.linear import Projection
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
 from npu.paged_attention_triton import TritonDecodeAttention, triton_decode_attention
 from npu.prefill_attention_cpu import CausalPrefillAttention, causal_prefill_attention
+from npu.prefill_attention_triton import TritonPrefillAttention, triton_prefill_attention
 from npu.qwen3.graph_step import GraphStep, StaticDecode, decode_only
 from npu.qwen3.step_layout import StepLayout
 from npu.qwen3.step_meta import Decode, StepMeta
@@ -104,6 +107,12 @@ class Qwen3Runner(ModelRunner):
         # Prefill chunks (from position 0, and after cached tokens): the CPU flash kernel where it beats SDPA.
         self.prefill_attention: CausalPrefillAttention | None = causal_prefill_attention(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        # Chunks after cached tokens read their pages in place: the CPU kernel, else on a GPU a Triton kernel (chunks
+        # from position 0 keep SDPA's causal flash kernel there); None: gather + SDPA.
+        self.cached_prefill: CausalPrefillAttention | TritonPrefillAttention | None = self.prefill_attention
+        if self.device.type != "cpu" and self.fused_attention is None:
+            self.cached_prefill = triton_prefill_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads,
+                                                           self.head_dim, self.block_size)
         self.norms = layer_norms(self.device, self.dtype, self.eps)      # fused CPU kernels or torch ops
         self.graphs: DecodeGraphs | None = None                # decode steps through static buffers (capture_graphs)
         self.graph_pages = 0                                   # page-table width of those buffers: max_model_len
@@ -345,8 +354,9 @@ class Qwen3Runner(ModelRunner):
                 parts.append(kernel(rows[:, :nh * hd], rows[:, nh * hd:(nh + kvh) * hd], rows[:, (nh + kvh) * hd:],
                                     [p.length] * p.count))
                 continue
-            if kernel is not None and p.pages is not None and pool.dtype == self.dtype:   # and the pages in place
-                parts.append(kernel.paged(rows[:, :nh * hd], self._planes(pool, li), p.pages, p.ctx, p.length,
+            cached = self.cached_prefill
+            if cached is not None and p.pages is not None and pool.dtype == self.dtype:   # the pages in place
+                parts.append(cached.paged(rows[:, :nh * hd], self._planes(pool, li), p.pages, p.ctx, p.length,
                                           checked=True))          # page ids range-checked in StepLayout.build
                 continue
             chunk = rows.view(p.count, p.length, nh + 2 * kvh, hd)

@@ -189,6 +189,23 @@ def test_paged_decode_kernel_on_the_gpu_equals_attention_over_gathered_pages(dty
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_prefill_kernel_on_the_gpu_equals_attention_over_gathered_pages(dtype, tolerance):
+    """Chunks after cached tokens at the Qwen3-8B layout's head shape: 3 chunks of 300 tokens ending at 1,000."""
+    from npu.prefill_attention_triton import triton_prefill_attention
+    from tests.npu.test_prefill_attention_triton import gathered_attention, pool_and_pages
+    heads, kv_heads, dim, block, chunks, context, length = 32, 8, 128, 16, 3, 1000, 300
+    kernel = triton_prefill_attention(torch.device("cuda"), dtype, heads, kv_heads, dim, block)
+    planes, pages, gen = pool_and_pages(chunks, context, block, kv_heads, dim, dtype, seed=2)
+    q = torch.randn(chunks * length, heads * dim, generator=gen).to(dtype)
+    got = kernel.paged(q.cuda(), planes.cuda(), pages.cuda(), context, length, checked=True).double().cpu()
+    want = gathered_attention(q, planes, pages, context, length, block, heads, kv_heads)
+    report(f"triton_prefill_kernel_{str(dtype).removeprefix('torch.')}",
+           {"max_abs_error": (got - want).abs().max().item()})
+    assert not got.isnan().any() and torch.allclose(got, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
 @pytest.mark.parametrize("fmt,block", [("plain", 0), ("fp8", 128), ("fp4", 32)])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_grouped_gemm_kernel_on_the_gpu_equals_each_group_dequantized(fmt, block, dtype, tolerance):

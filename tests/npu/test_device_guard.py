@@ -97,6 +97,11 @@ def test_serving_steps_run_on_the_device_alone(overrides):
         assert runner.linears_as_stored  # type: ignore[attr-defined]
         stacks = runner.expert_stacks.values()  # type: ignore[attr-defined]
         assert stacks and all(isinstance(w, QuantizedWeight) for stack in stacks for w in stack)
+    if overrides is QWEN3:               # the Triton kernels read the pages in place: decode rows and cached chunks
+        from npu.paged_attention_triton import TritonDecodeAttention
+        from npu.prefill_attention_triton import TritonPrefillAttention
+        assert isinstance(runner.paged_decode, TritonDecodeAttention)  # type: ignore[attr-defined]
+        assert isinstance(runner.cached_prefill, TritonPrefillAttention)  # type: ignore[attr-defined]
     for batch in serving_steps(runner):
         logits = step(runner, batch)
         assert logits.shape[0] == sum(s.sample for s in batch.seqs)

@@ -273,7 +273,7 @@ def test_the_cpu_runner_sends_prefill_chunks_to_the_kernel_and_matches_sdpa(dtyp
 
     results = []
     for kernel in (Counted(), None):
-        runner.prefill_attention = kernel
+        runner.prefill_attention = runner.cached_prefill = kernel     # chunks from position 0, chunks after cached
         runner.allocate_pools({"kv": 16}, 1)
         results.append([runner.execute(step).float() for step in chunked_prefills(random.Random(2))])
         runner.free_pools()
