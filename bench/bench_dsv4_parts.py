@@ -35,7 +35,7 @@ PARTS = [   # (owner, function name, label); a label's indent says which part it
     (hyper, "sinkhorn", "  sinkhorn"),
     (runner_module.Attention, "__call__", "attention"),
     (runner_module.Attention, "_compress", "  compressors"),
-    (runner_module.Attention, "_keys", "  key rows (+ CSA indexer top-k)"),
+    (runner_module.Attention, "_key_rows", "  key rows (+ CSA indexer top-k)"),
     (runner_module.Attention, "_attend", "  scores, softmax, values"),
     (runner_module, "rms_norm", "attn_norm / ffn_norm / final norm"),
     (runner_module, "route", "MoE routing"),

@@ -25,9 +25,10 @@ DeepseekV4 runs eager-only for these reasons). So scores are computed here, on t
 cheap: every mask is bool, applied in place (masked_fill_, never an added -inf tensor); queries are attended
 in groups of equal length (paging.QueryGroup), so none is padded to a longer chunk; window and HCA rows are
 read once per sequence and shared by its queries; pools are read one contiguous layer at a time (PoolIO).
-The fused path on an NPU would be a sparse flash-attention kernel taking per-query row indices and a sink
-(what DeepSeek V3.2's sparse attention runs on Ascend); this runner calls none: no such kernel could be
-checked here.
+On a GPU where Triton runs, that sparse flash attention is a kernel of this project's (attention_triton: per-query
+row indices and the sink, rows read in place, no scores in memory). On an NPU it would be torch_npu's sparse
+flash-attention op with per-query indices and a sink (what DeepSeek V3.2's sparse attention runs on Ascend); this
+runner calls none there: no such kernel could be checked here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
+from npu.deepseek_v4.attention_triton import KeyRows, sparse_attention
 from npu.deepseek_v4.hyper import unweighted_rms
 from npu.deepseek_v4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.deepseek_v4.rope import Rope, Rotation
@@ -73,11 +75,15 @@ class Attention:
     def __init__(self, layout: DeepseekV4Layout, ratios: tuple[int, ...], kinds: dict[int, Compression],
                  ropes: dict[bool, Rope], w: Callable[[str], torch.Tensor],
                  linear: Callable[[torch.Tensor, str], torch.Tensor],
-                 grouped_linear: Callable[[torch.Tensor, str], torch.Tensor], io: PoolIO, dtype: torch.dtype):
+                 grouped_linear: Callable[[torch.Tensor, str], torch.Tensor], io: PoolIO, dtype: torch.dtype,
+                 in_place: bool = False):
         self.lay, self.ratios, self.kinds, self.ropes, self.w, self.io, self.dtype = (
             layout, ratios, kinds, ropes, w, io, dtype)
         self.linear, self.grouped_linear = linear, grouped_linear
         self.csa = min(kinds)
+        # On a GPU where Triton runs: the keys read in place by one kernel (npu.deepseek_v4.attention_triton) instead
+        # of PoolIO.read + _attend, for parts whose pools hold plain values.
+        self.in_place = in_place
 
     def rotations(self, plan: StepPlan) -> dict[object, Rotation]:
         """The step's rotations, computed once: at the tokens' positions (window-only and compressed RoPE) and
@@ -111,7 +117,7 @@ class Attention:
                 self._compress(layer, p + "indexer.compressor.", kind, kind.states[1], kind.outputs[1],
                                lay.index_head_dim, x, plan, rot[ratio])
         index = self._index_queries(layer, x, q_latent, rope) if ratio == self.csa else None
-        outs = [self._attend(p, group.view(q), self._keys(layer, ratio, group, index)).flatten(0, 1)
+        outs = [self._attend_group(p, layer, ratio, group, q, index).flatten(0, 1)
                 for group in plan.groups]                                   # [S * Q, H, d] each, in flat order
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = rope.apply(out, inverse=True)
@@ -134,18 +140,31 @@ class Attention:
         pooled = rms_norm(pooled, w(prefix + "norm.weight"), self.lay.rms_norm_eps)
         self.io.write(out, layer, plan.rows[f"{out}.write"], rope.apply(pooled))
 
-    def _keys(self, layer: int, ratio: int, group: QueryGroup,
-              index: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The key parts of one query group, each (keys = values, bool mask): the window rows; HCA: every
-        compressed row, masked to those visible; CSA: the rows the indexer picks for each query."""
+    def _attend_group(self, prefix: str, layer: int, ratio: int, group: QueryGroup, q: torch.Tensor,
+                      index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """One query group's attention, [S, Q, H, d]: its keys read in place by the kernel, or read out and _attend."""
+        parts = self._key_rows(layer, ratio, group, index)
+        if self.in_place and not any(self.io.scaled(name) for name, _, _ in parts):
+            # each mask only admits rows that exist (rows.ok): the window's includes its validity, a compressed row
+            # is visible only once its window has ended, the indexer's picks are masked by their ok
+            return sparse_attention(group.view(q), self.w(prefix + "attn_sink"),
+                                    [KeyRows(self.io.layer_pool(name, layer), rows.page, rows.row, mask)
+                                     for name, rows, mask in parts])
         d = self.lay.head_dim
-        parts = [(self.io.read(self.window_group(layer), layer, group.keys["ori"], d, self.dtype), group.window_mask)]
+        return self._attend(prefix, group.view(q), [(self.io.read(name, layer, rows, d, self.dtype), mask)
+                                                    for name, rows, mask in parts])
+
+    def _key_rows(self, layer: int, ratio: int, group: QueryGroup,
+                  index: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[str, Rows, torch.Tensor]]:
+        """The key parts of one query group, each (cache group, rows, bool mask [S, Q, K]): the window rows; HCA:
+        every compressed row, masked to those visible; CSA: the rows the indexer picks for each query."""
+        parts = [(self.window_group(layer), group.keys["ori"], group.window_mask)]
         if ratio:
             cmp = self.kinds[ratio].outputs[0]
             if ratio != self.csa:
-                parts.append((self.io.read(cmp, layer, group.keys[cmp], d, self.dtype), group.visible[ratio]))
+                parts.append((cmp, group.keys[cmp], group.visible[ratio]))
             elif index is not None and (picked := self._index(layer, group, *index)) is not None:   # CSA: set
-                parts.append((self.io.read(cmp, layer, picked, d, self.dtype), picked.ok))
+                parts.append((cmp, picked, picked.ok))
         return parts
 
     def _index_queries(self, layer: int, x: torch.Tensor, q_latent: torch.Tensor,

@@ -260,6 +260,14 @@ class PoolIO:
             values = pool[self.layer_index[group][layer], rows.page, rows.row][..., :width].to(dtype)
         return torch.where(rows.ok[..., None], values, torch.zeros((), dtype=dtype, device=values.device))
 
+    def layer_pool(self, group: str, layer: int) -> torch.Tensor:
+        """One layer's rows of a group, [pages, rows, width] (a view), for a kernel that reads them in place."""
+        return self.pools[group][self.layer_index[group][layer]]
+
+    def scaled(self, group: str) -> bool:
+        """Whether the group's rows are 1-byte values with an inline scale (read them with `read`)."""
+        return is_scaled(self.model.group(group), self.pools[group])
+
     def write(self, group: str, layer: int, rows: Rows, values: torch.Tensor) -> None:
         spec, pool = self.model.group(group), self.pools[group]
         if is_scaled(spec, pool):

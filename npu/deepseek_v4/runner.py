@@ -36,6 +36,7 @@ from appliance.core.config import ModelSpec
 from appliance.core.errors import CheckpointError
 from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.deepseek_v4.attention import Attention, rms_norm
+from npu.deepseek_v4.attention_triton import sparse_attention_applies
 from npu.deepseek_v4.expert_stacks import Held, stack_experts
 from npu.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from npu.deepseek_v4.moe import (
@@ -113,8 +114,10 @@ class DeepseekV4Runner(ModelRunner):
         # (npu.deepseek_v4.sinkhorn_triton: the same bits), torch's ops elsewhere.
         self.sinkhorn = sinkhorn_for(self.device, lay.hc_mult)
         self.io = PoolIO(model, self.pools)
+        # Attention's keys read in place by one Triton kernel on a GPU (npu.deepseek_v4.attention_triton).
+        in_place = self.device.type == "cuda" and sparse_attention_applies(self.device, self.dtype, lay.head_dim)
         self.attention = Attention(lay, self.ratios, self.kinds, layer_ropes(lay, self.device, self.dtype),
-                                   self.weight, self.linear, self.grouped_linear, self.io, self.dtype)
+                                   self.weight, self.linear, self.grouped_linear, self.io, self.dtype, in_place)
 
     # -- weights -----------------------------------------------------------------------------------
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -206,6 +206,28 @@ def test_paged_prefill_kernel_on_the_gpu_equals_attention_over_gathered_pages(dt
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_dsv4_attention_kernel_on_the_gpu_equals_the_softmax_with_a_sink(dtype, tolerance):
+    """DeepSeek V4's real head shape (64 heads x 512): a window part of 128 rows and 512 indexer picks per query."""
+    from npu.deepseek_v4.attention_triton import KeyRows, sparse_attention
+    from tests.npu.test_dsv4_attention_triton import reference
+    S, Q, H, d, pages, rows = 2, 3, 64, 512, 64, 64
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(pages, rows, d, generator=gen).to(dtype)
+    parts = [KeyRows(pool, torch.randint(0, pages, (S, 128), generator=gen), torch.randint(0, rows, (S, 128),
+                     generator=gen), torch.rand(S, Q, 128, generator=gen) < 0.9),
+             KeyRows(pool, torch.randint(0, pages, (S, Q, 512), generator=gen), torch.randint(0, rows, (S, Q, 512),
+                     generator=gen), torch.rand(S, Q, 512, generator=gen) < 0.9)]
+    q, sink = torch.randn(S, Q, H, d, generator=gen).to(dtype), torch.randn(H, generator=gen)
+    on_gpu = [KeyRows(p.pool.cuda(), p.page.cuda(), p.row.cuda(), p.mask.cuda()) for p in parts]
+    got = sparse_attention(q.cuda(), sink.cuda(), on_gpu).double().cpu()
+    want = reference(q, sink, parts)
+    report(f"triton_dsv4_attention_{str(dtype).removeprefix('torch.')}",
+           {"max_abs_error": (got - want).abs().max().item()})
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernel on the GPU (the CPU runs it interpreted elsewhere)")
 @pytest.mark.parametrize("fmt,block", [("plain", 0), ("fp8", 128), ("fp4", 32)])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_grouped_gemm_kernel_on_the_gpu_equals_each_group_dequantized(fmt, block, dtype, tolerance):

@@ -102,6 +102,8 @@ def test_serving_steps_run_on_the_device_alone(overrides):
         from npu.prefill_attention_triton import TritonPrefillAttention
         assert isinstance(runner.paged_decode, TritonDecodeAttention)  # type: ignore[attr-defined]
         assert isinstance(runner.cached_prefill, TritonPrefillAttention)  # type: ignore[attr-defined]
+    if overrides in (DSV4, DSV4_QUANTIZED):   # attention's keys read in place by its Triton kernel
+        assert runner.attention.in_place  # type: ignore[attr-defined]
     for batch in serving_steps(runner):
         logits = step(runner, batch)
         assert logits.shape[0] == sum(s.sample for s in batch.seqs)
