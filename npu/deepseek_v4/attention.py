@@ -42,12 +42,16 @@ import torch.nn.functional as F
 from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
 from npu.deepseek_v4.attention_triton import KeyRows, sparse_attention
 from npu.deepseek_v4.hyper import unweighted_rms
+from npu.deepseek_v4.norms_triton import norm_kernel_applies, rms_norm_op
 from npu.deepseek_v4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.deepseek_v4.rope import Rope, Rotation
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with a float32 gain, computed in float32 and cast back once (as released)."""
+    """RMSNorm with a float32 gain, computed in float32 and cast back once (as released); one launch on a GPU
+    (npu.deepseek_v4.norms_triton)."""
+    if norm_kernel_applies(x.device):
+        return rms_norm_op(x, weight, eps)
     xf = x.float()
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 

@@ -14,8 +14,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from npu.deepseek_v4.norms_triton import norm_kernel_applies, unweighted_rms_op
+
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalized over the last dim, no weight; one launch on a GPU (npu.deepseek_v4.norms_triton)."""
+    if norm_kernel_applies(x.device):
+        return unweighted_rms_op(x, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
