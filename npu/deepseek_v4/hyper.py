@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from npu.deepseek_v4.hyper_triton import hc_mix_op, hc_post_op, hyper_kernels_apply
 from npu.deepseek_v4.norms_triton import norm_kernel_applies, unweighted_rms_op
 
 
@@ -57,9 +58,13 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [N, hc, D] -> (post [N, hc], comb [N, hc, hc], collapsed sub-layer input [N, D]). Each result
     is a new tensor, so the + eps and x 2 after the activations run in place. normalize: sinkhorn, or the same math
-    in one launch on a GPU (npu.deepseek_v4.sinkhorn_triton)."""
+    in one launch on a GPU (npu.deepseek_v4.sinkhorn_triton). On a GPU the mixings and the collapse are one launch
+    too (npu.deepseek_v4.hyper_triton)."""
     n, hc, _ = streams.shape
     mixes = F.linear(unweighted_rms(streams.flatten(1).float(), norm_eps), fn.float())
+    if hyper_kernels_apply(streams.device, hc):
+        post, comb, collapsed = hc_mix_op(mixes, base, scale, streams, hc_eps)
+        return post, normalize(comb, iters, hc_eps), collapsed
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     pre_s, post_s, comb_s = scale.float().unbind(0)
@@ -71,7 +76,10 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The sub-layer's output spread over the streams plus the mixed streams (comb applied transposed)."""
+    """The sub-layer's output spread over the streams plus the mixed streams (comb applied transposed); one launch on
+    a GPU (npu.deepseek_v4.hyper_triton)."""
+    if hyper_kernels_apply(streams.device, streams.shape[1]):
+        return hc_post_op(out, streams, post, comb)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 

@@ -130,3 +130,35 @@ def test_idx_row_formats_the_runner_cannot_store_are_config_errors(row, message)
     with pytest.raises(ConfigError, match="model.cache_groups\\[3\\]") as info:
         load_runtime_config(["+model=dsv4_tiny", *overrides])
     assert message in str(info.value)
+
+
+def test_a_plan_reaches_the_device_in_one_copy_per_dtype():
+    """StepPlan.to packs the plan's host tensors into one buffer per dtype: every tensor arrives with its values,
+    shape and dtype, in its place, and a step's plan (masks, page and row tables, index plans) costs two uploads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.support.fake_cuda import fake_cuda, on_device
+    runner = DeepseekV4Runner(load_runtime_config(["+model=dsv4_tiny"]).model, "cpu")
+    runner.load_weights()                     # dsv4_mixed_step prefills the histories first
+    host = build_plan(runner.model, dsv4_mixed_step(runner, random.Random(4)), list(runner.kinds.values()),
+                      torch.device("cpu"))
+    before: list[torch.Tensor] = []
+    host.map(lambda t: before.append(t) or t)
+    assert len(before) > 20 and {t.dtype for t in before} == {torch.int64, torch.bool}
+    after: list[torch.Tensor] = []
+    host.to(torch.device("cpu")).map(lambda t: after.append(t) or t)       # the same packing, onto the host
+    assert len(after) == len(before)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(after, before))
+
+    class Uploads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and on_device(out) and not on_device(args[0]):
+                Uploads.count += 1
+            return out
+    with fake_cuda(), Uploads():
+        on_gpu = host.to(torch.device("cuda"))
+    assert Uploads.count == 2
+    assert on_device(on_gpu.token_ids) and all(on_device(g.window_mask) for g in on_gpu.groups)

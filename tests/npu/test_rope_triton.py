@@ -45,6 +45,6 @@ def test_the_kernel_gives_the_bits_of_the_torch_rotation(shape, dim, dtype, comp
 
 def test_the_runner_on_fake_cuda_rotates_through_the_kernel():
     from bench.count_device_ops import decode_ops
-    ops = decode_ops("dsv4", 1)["Sinkhorn kernel (as built on CUDA)"]
+    ops = decode_ops("dsv4", 1)["Triton kernels (as built on CUDA)"]
     assert ops["appliance::rope_rotate"] > 2 * LAYOUT.num_layers           # queries, keys and outputs per layer
     assert ops["aten::flip"] == 0
