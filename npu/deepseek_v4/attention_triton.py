@@ -60,7 +60,10 @@ if triton is not None:
             best = new_best
         return acc, best, total
 
-    @triton.jit
+    # The query count, the parts' widths and their tables' strides change from step to step; Triton would compile a
+    # variant for each of their divisibility classes the first time one appears mid-serving: not specialized.
+    @triton.jit(do_not_specialize=["queries_per_seq", "a_ps", "a_pq", "a_pk", "a_ms", "a_mq", "a_mk", "a_len",
+                                   "b_ps", "b_pq", "b_pk", "b_ms", "b_mq", "b_mk", "b_len"])
     def _sparse_attention(q_ptr, q_token_stride, q_head_stride, out_ptr, sink_ptr, queries_per_seq, heads, scale,
                           a_pool, a_page_stride, a_row_stride, a_page, a_row, a_ps, a_pq, a_pk, a_mask, a_ms, a_mq,
                           a_mk, a_len,

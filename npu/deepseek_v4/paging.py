@@ -115,20 +115,30 @@ class StepPlan:
         return self.map(lambda t: next(moved))
 
 
+ALIGN_BYTES = 16     # where each packed tensor starts in its buffer: a kernel sees the same pointer alignment each step
+
+
 def packed_upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors on `device` with one non-blocking copy per dtype: each dtype's tensors concatenated on the host,
-    uploaded, and handed back as views of the device buffer in the order given (their shapes, contiguous)."""
+    """Host tensors on `device` with one non-blocking copy per dtype: each dtype's tensors laid one after another in a
+    host buffer (each from a multiple of ALIGN_BYTES: Triton specializes a kernel on its pointers' alignment, so a
+    table at an odd offset one step and an even one the next would compile a second variant mid-serving), uploaded,
+    and handed back as views of the device buffer in the order given (their shapes, contiguous)."""
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         by_dtype[t.dtype].append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(device, non_blocking=True)
-        at = 0
+    for dtype, indices in by_dtype.items():
+        unit = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        starts, at = [], 0
         for i in indices:
-            n = tensors[i].numel()
-            out[i] = flat[at:at + n].view(tensors[i].shape)
-            at += n
+            starts.append(at)
+            at += -(-tensors[i].numel() // unit) * unit
+        host = torch.zeros(at, dtype=dtype)
+        for i, start in zip(indices, starts):
+            host[start:start + tensors[i].numel()] = tensors[i].reshape(-1)
+        flat = host.to(device, non_blocking=True)
+        for i, start in zip(indices, starts):
+            out[i] = flat[start:start + tensors[i].numel()].view(tensors[i].shape)
     return out
 
 

@@ -31,6 +31,13 @@ def decode_buckets(widths: list[int], block_size: int) -> list[tuple[int, int]]:
     return out
 
 
+def pages_padding(num_tokens: int) -> int:
+    """int64s between a step's write rows and its pages in StepLayout.host, so the pages start 16 bytes aligned:
+    the Triton kernels that read them specialize on their pointers' alignment, and pages at an odd offset one step
+    and an even one the next would compile a second variant mid-serving."""
+    return (3 * num_tokens) % 2
+
+
 @dataclass
 class StepLayout:
     """The host half of a step's metadata (ModelRunner.prepare): the flat batch's integers in one host tensor
@@ -41,7 +48,7 @@ class StepLayout:
     0 by length, then chunks after cached tokens by start and length (equal lengths, and for cached chunks equal
     starts, share one attention call). Page ids are range-checked here by one min/max."""
 
-    host: torch.Tensor                 # int64: tokens, positions, write rows [n each], pages, sampled rows
+    host: torch.Tensor                 # int64: tokens, positions, write rows [n each], pages_padding, pages, sampled rows
     num_tokens: int
     num_pages: int
     num_sample: int
@@ -102,7 +109,8 @@ class StepLayout:
             last_row[i] = len(tokens) - 1
         sample = [last_row[i] - len(s.token_ids) + 1 + k for i, s in enumerate(seqs) for k in logits_offsets(s)]
         n = len(tokens)
-        host = torch.frombuffer(array.array("q", tokens + positions + rows + pages + sample), dtype=torch.long)
+        host = torch.frombuffer(array.array("q", tokens + positions + rows + [0] * pages_padding(n) + pages + sample),
+                                dtype=torch.long)
         if pages and (min(pages) < 0 or max(pages) >= num_pages):   # name the culprit only on failure
             bad = next(s for _, s, used in dec + chunks if not 0 <= min(used) <= max(used) < num_pages)
             raise ValueError(f"request {bad.request_id}: page id out of range [0, {num_pages}) "

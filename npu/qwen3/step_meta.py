@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from npu.fused_attention import FusedStep
-from npu.qwen3.step_layout import StepLayout
+from npu.qwen3.step_layout import StepLayout, pages_padding
 
 
 @dataclass
@@ -74,8 +74,8 @@ class StepMeta:
     def upload(layout: StepLayout, arange: Callable[[int], torch.Tensor], parity: torch.Tensor,
                device: torch.device) -> "StepMeta":
         n = layout.num_tokens
-        t_tok, t_pos, t_rows, t_pages, t_sample = layout.host.to(device, non_blocking=True).split(
-            [n, n, n, layout.num_pages, layout.num_sample])
+        t_tok, t_pos, t_rows, _, t_pages, t_sample = layout.host.to(device, non_blocking=True).split(
+            [n, n, n, pages_padding(n), layout.num_pages, layout.num_sample])
         # Plane ids in a layer's [2 * pages, ...] view: row 0 the K planes (2p), row 1 the V planes (2p + 1). A
         # run of pages [a, b) is read as planes[:, a:b] flattened: K planes, then V planes (a view for one run).
         planes = t_pages * 2 + parity                   # parity: [[0], [1]]

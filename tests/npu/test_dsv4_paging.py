@@ -162,3 +162,5 @@ def test_a_plan_reaches_the_device_in_one_copy_per_dtype():
         on_gpu = host.to(torch.device("cuda"))
     assert Uploads.count == 2
     assert on_device(on_gpu.token_ids) and all(on_device(g.window_mask) for g in on_gpu.groups)
+    on_gpu.map(lambda t: after.append(t) or t)
+    assert all(t.storage_offset() * t.element_size() % 16 == 0 for t in after[len(before):])  # aligned starts

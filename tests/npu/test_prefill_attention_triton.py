@@ -144,3 +144,19 @@ def test_qwen3_cached_chunks_through_the_kernel_match_the_gather_path(dtype):
     assert torch.allclose(outs[0], outs[1], atol=tolerance, rtol=tolerance), (outs[0] - outs[1]).abs().max()
     if dtype == "float32":                                        # bf16 rounds in other places: near ties may part
         assert outs[0].argmax(-1).tolist() == outs[1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("decode_rows", [1, 2, 3])
+def test_a_steps_page_tables_start_16_bytes_aligned(decode_rows):
+    """Triton specializes a kernel on its pointers' alignment: a step's page tables (slices of its one upload) start
+    on 16 bytes whatever the token count, so a new alignment never compiles a second variant mid-serving."""
+    from npu.qwen3.step_layout import StepLayout
+    from npu.qwen3.step_meta import StepMeta
+    seqs = [SeqStep(f"d{i}", [5], 20 + i, {"kv": [i, 10 + i]}) for i in range(decode_rows)]
+    seqs.append(SeqStep("c", list(range(3, 10)), 16, {"kv": [7, 8]}))                  # a chunk after cached tokens
+    layout = StepLayout.build(seqs, 16, 32, 1, paged=True)
+    meta = StepMeta.upload(layout, lambda n: torch.arange(n), torch.arange(2)[:, None], torch.device("cpu"))
+    tables = [d.pages for d in meta.decodes] + [p.pages for p in meta.prefills if p.pages is not None]
+    assert len(tables) == 2
+    assert all(t.storage_offset() * t.element_size() % 16 == 0 for t in tables)
+    assert meta.decodes[0].pages[:, 0].tolist() == list(range(decode_rows))              # the right values there
