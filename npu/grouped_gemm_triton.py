@@ -36,8 +36,8 @@ import functools
 
 import torch
 
-from npu.paged_attention_triton import INTERPRETED, triton
 from npu.quant import QuantizedWeight
+from npu.triton_runtime import INTERPRETED, triton
 
 if triton is not None:
     import triton.language as tl

@@ -19,21 +19,16 @@ a block size and head_dim that are powers of two of at least 16 (tl.arange, tl.d
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from npu.triton_runtime import INTERPRETED, triton
+
 log = logging.getLogger("npu.paged_attention_triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"       # Triton's CPU interpreter (tests): numpy semantics
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a host without Triton runs the gather + SDPA path
-    triton = None
-
 
 if triton is not None:
+    import triton.language as tl
+
     # table_width changes with the longest context of an eager step; Triton would compile a variant for each of its
     # divisibility classes (a multiple of 16, 1, other) the first time one appears mid-serving: not specialized.
     @triton.jit(do_not_specialize=["table_width"])

@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from npu.paged_attention_triton import INTERPRETED, triton
+from npu.triton_runtime import INTERPRETED, triton
 
 log = logging.getLogger("npu.prefill_attention_triton")
 

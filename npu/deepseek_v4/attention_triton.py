@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npu.paged_attention_triton import INTERPRETED, triton
+from npu.triton_runtime import INTERPRETED, triton
 
 HEAD_BLOCK = 16     # query heads per program (tl.dot's smallest M)
 KEY_BLOCK = 16      # keys per tile

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from npu.paged_attention_triton import triton
+from npu.triton_runtime import triton
 
 BLOCK_D = 256        # channels of the streams per program
 

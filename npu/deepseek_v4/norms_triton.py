@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from npu.paged_attention_triton import triton
+from npu.triton_runtime import triton
 
 MAX_BLOCK = 1024     # columns per pass of a row's loop
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from npu.paged_attention_triton import INTERPRETED, triton
+from npu.triton_runtime import INTERPRETED, triton
 
 BLOCK_ROWS = 4      # heads (rows of x past its first dim) per program
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from npu.deepseek_v4.hyper import sinkhorn
-from npu.paged_attention_triton import INTERPRETED, triton
+from npu.triton_runtime import INTERPRETED, triton
 
 BLOCK = 64          # tokens per program
 

@@ -14,7 +14,7 @@ import torch
 from appliance.config.compose import load_runtime_config
 from npu.deepseek_v4.rope import layer_ropes
 from npu.deepseek_v4.rope_triton import BLOCK_ROWS, rotate
-from npu.paged_attention_triton import triton
+from npu.triton_runtime import triton
 
 pytestmark = [pytest.mark.skipif(triton is None, reason="Triton is not installed"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's interpreter")]

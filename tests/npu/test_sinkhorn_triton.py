@@ -11,8 +11,8 @@ import torch
 
 from npu.deepseek_v4.hyper import hc_pre, sinkhorn
 from npu.deepseek_v4.sinkhorn_triton import BLOCK, sinkhorn_for, triton_sinkhorn
-from npu.paged_attention_triton import triton
 from npu.step import SeqStep, StepBatch
+from npu.triton_runtime import triton
 from tests.npu.test_device_guard import DSV4, fake_runner, step, tables
 
 pytestmark = [pytest.mark.skipif(triton is None, reason="Triton is not installed"),

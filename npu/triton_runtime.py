@@ -1,0 +1,31 @@
+"""Triton for the device kernels: the one import every kernel module shares, and the switch that turns them off.
+
+The GPU's own kernels (paged decode and prefill attention, the grouped GEMM, DeepSeek V4's RoPE, Sinkhorn, norms,
+hyper-connection and attention kernels) are Triton programs. Each module imports `triton` from here and checks it
+before it applies: `triton` is None where Triton is not installed, or where APPLIANCE_TRITON_KERNELS=0 asks for the
+torch ops instead (gather + SDPA, dequantize + torch._grouped_mm, the torch ops a CPU runs; Qwen3's decode graphs
+need the paged kernel, so they are off too): a way to tell a kernel's fault from the rest when a device run
+disagrees, as APPLIANCE_CPU_KERNELS=0 is for the CPU kernels.
+
+INTERPRETED: Triton's CPU interpreter is on (TRITON_INTERPRET=1; the tests set it where there is no GPU), so the
+kernels run on CPU tensors with numpy's semantics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("npu.triton_runtime")
+
+SWITCH = "APPLIANCE_TRITON_KERNELS"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - a host without Triton runs the torch ops
+    triton = None
+
+if triton is not None and os.environ.get(SWITCH, "1") == "0":
+    log.info("%s=0: the Triton kernels are off; the torch ops run in their place", SWITCH)
+    triton = None
