@@ -4,8 +4,9 @@ device-check/<UTC time>/) and prints the summary.
 
     b  greedy on the GPU == transformers on the GPU, float32, every prompt: a Qwen3 checkpoint transformers writes,
        DeepSeek V4 checkpoints with transformers' config.json (FP8 linears and FP4 experts too), the engine's
-       prefix-hit / chunked-prefill / preemption workload; bfloat16 agreement reported; the Triton decode kernel and
-       the recorded decode graphs against eager (tests/device, marker cuda)
+       prefix-hit / chunked-prefill / preemption workload; bfloat16 agreement reported; the Triton kernels and the
+       recorded decode graphs against their references (tests/device, marker cuda). Tests that fail are run again
+       with APPLIANCE_TRITON_KERNELS=0 (the torch ops in place of the Triton kernels), to say whose fault it is
     c  the Qwen3-8B layout (conf/model/qwen3.yaml, random bf16 weights made on the GPU) at npu_memory_utilization
        0.5 and 0.85 under a full load: the largest prefill chunks (max_num_batched_tokens), decode_batch rows all
        at max_model_len, the sampler at decode_batch rows. The process's device memory in the driver's view (NVML,
@@ -303,6 +304,14 @@ def line_oracles(out: Path) -> Line:
     parts = [said(k, v) for k, v in figures.items()]
     line.status = "PASS" if proc.returncode == 0 else "FAIL"
     line.detail = "; ".join(parts) + ("" if proc.returncode == 0 else f" | {tail(log, 4)}")
+    failed = [ln.split()[1] for ln in log.read_text(errors="replace").splitlines() if ln.startswith("FAILED ")]
+    if failed:                  # the same tests with the torch ops in place of the Triton kernels: whose fault is it
+        again = out / "b_oracles_triton_off.log"
+        rerun = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", *failed, "-p", "no:cacheprovider"], again,
+                    200, env={"DEVICE_CHECK_OUT": str(out / "triton_off"), "DEVICE_CHECK_DEVICE": DEVICE,
+                              "APPLIANCE_TRITON_KERNELS": "0"})
+        line.detail += (f" | the {len(failed)} failed with APPLIANCE_TRITON_KERNELS=0: "
+                        f"{'all pass (a Triton kernel is at fault)' if rerun.returncode == 0 else tail(again, 3)}")
     return line
 
 
