@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from appliance.core.archs.deepseek_v4.layout import MTP_WINDOW_GROUP, DeepseekV4Layout
 from npu.deepseek_v4.attention_triton import KeyRows, sparse_attention
 from npu.deepseek_v4.hyper import unweighted_rms
+from npu.deepseek_v4.indexer_triton import index_scores, pool_values
 from npu.deepseek_v4.norms_triton import norm_kernel_applies, rms_norm_op
 from npu.deepseek_v4.paging import Compression, PoolIO, QueryGroup, Rows, StepPlan
 from npu.deepseek_v4.rope import Rope, Rotation
@@ -195,11 +196,19 @@ class Attention:
             return None
         k, width = plan.k, plan.width
         visible = group.visible[ratio]
-        keys = self.io.read("idx", layer, group.keys["idx"], di, torch.float32)               # [S, Kc, di]
-        dots = torch.einsum("sqhd,skd->sqhk", group.view(q).float(), keys).relu_().mul_(di ** -0.5)   # in place:
-        score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2)                # one [S, Q, heads, Kc] tensor
-        del dots
-        score = F.pad(score.masked_fill(~visible, float("-inf")), (0, width - score.shape[-1]), value=float("-inf"))
+        pool = self.io.layer_pool("idx", layer)
+        values = pool_values(pool, self.io.scaled("idx")) if self.in_place else None
+        if values is not None:                   # one kernel reading the rows in place (npu.deepseek_v4.indexer_triton)
+            rows = group.keys["idx"]
+            score = index_scores(group.view(q), group.view(head_w), pool, rows.page, rows.row, visible, width, values,
+                                 self.io.model.group("idx").row_width)
+        else:
+            keys = self.io.read("idx", layer, group.keys["idx"], di, torch.float32)               # [S, Kc, di]
+            dots = torch.einsum("sqhd,skd->sqhk", group.view(q).float(), keys).relu_().mul_(di ** -0.5)   # in place:
+            score = dots.mul_(group.view(head_w)[..., None]).sum(dim=2)                # one [S, Q, heads, Kc] tensor
+            del dots
+            score = F.pad(score.masked_fill(~visible, float("-inf")), (0, width - score.shape[-1]),
+                          value=float("-inf"))
         top = score.topk(min(k + 1, width), dim=-1)              # one call for the group: the k best of each query
         order = top.indices[..., :k].contiguous()                 # are the same set under any tie rule unless the
         if k < width and plan.by_length:                          # k-th and the (k + 1)-th score are equal
