@@ -307,6 +307,7 @@ def line_oracles(out: Path) -> Line:
     failed = [ln.split()[1] for ln in log.read_text(errors="replace").splitlines() if ln.startswith("FAILED ")]
     if failed:                  # the same tests with the torch ops in place of the Triton kernels: whose fault is it
         again = out / "b_oracles_triton_off.log"
+        (out / "triton_off").mkdir(exist_ok=True)          # its figures apart from the kernels' run
         rerun = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", *failed, "-p", "no:cacheprovider"], again,
                     200, env={"DEVICE_CHECK_OUT": str(out / "triton_off"), "DEVICE_CHECK_DEVICE": DEVICE,
                               "APPLIANCE_TRITON_KERNELS": "0"})
