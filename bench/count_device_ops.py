@@ -14,8 +14,8 @@ plan on the host inside forward) are the host's work, not launches, and are left
 the dispatcher runs them (an einsum as its matmul and the copies it needs, a cast as _to_copy).
 
 For DeepSeek V4 the count is taken twice: with its device-side kernels as a CUDA runner holds them (Triton:
-Sinkhorn, RoPE, the RMS norms, the hyper-connections' mixing, the attention over its paged rows), and with the torch
-ops a CPU runs in their place.
+Sinkhorn, RoPE, the RMS norms, the hyper-connections' mixing, the attention over its paged rows and the indexer's
+scores, the clamped SwiGLU), and with the torch ops a CPU runs in their place.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from npu.deepseek_v4 import attention as dsv4_attention  # noqa: E402
-from npu.deepseek_v4 import hyper, rope  # noqa: E402
+from npu.deepseek_v4 import hyper, moe, rope  # noqa: E402
 from npu.step import SeqStep, StepBatch  # noqa: E402
 from tests.npu.test_device_guard import DSV4, DSV4_QUANTIZED, QWEN3, fake_runner, tables  # noqa: E402
 from tests.support.fake_cuda import fake_cuda, on_device  # noqa: E402
@@ -84,13 +84,15 @@ def count_step(runner, batch: StepBatch, by_function: bool = False) -> Counter:
 
 def torch_ops_only(runner) -> ExitStack:
     """A context in which a fake-CUDA DeepSeek V4 runner takes the torch ops a CPU runs instead of its Triton kernels
-    (Sinkhorn, RoPE, the RMS norms, the hyper-connections' mixing, the attention over its paged rows)."""
+    (Sinkhorn, RoPE, the RMS norms, the hyper-connections' mixing, the attention over its paged rows and the
+    indexer's scores, the clamped SwiGLU)."""
     stack = ExitStack()
     stack.enter_context(mock.patch.object(runner, "sinkhorn", hyper.sinkhorn))
     stack.enter_context(mock.patch.object(runner.attention, "in_place", False))
     stack.enter_context(mock.patch.object(rope, "rotation_kernel_applies", lambda device: False))
     stack.enter_context(mock.patch.object(hyper, "norm_kernel_applies", lambda device: False))
     stack.enter_context(mock.patch.object(hyper, "hyper_kernels_apply", lambda device, hc: False))
+    stack.enter_context(mock.patch.object(moe, "activation_kernel_applies", lambda device: False))
     stack.enter_context(mock.patch.object(dsv4_attention, "norm_kernel_applies", lambda device: False))
     return stack
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from appliance.core.errors import EnvironmentSettingError
 from appliance.core.parallel import split
 from npu.collectives import Collective
+from npu.deepseek_v4.activation_triton import activation_kernel_applies, clamped_swiglu_op
 from npu.deepseek_v4.expert_stacks import Held
 from npu.grouped_gemm_triton import grouped_gemm_applies, grouped_tiles, triton_grouped_gemm
 from npu.quant import QuantizedWeight
@@ -62,10 +63,17 @@ def swiglu(x: torch.Tensor, w1: Any, w3: Any, w2: Any, limit: float | None,
            linear: Callable[[torch.Tensor, Any], torch.Tensor] = F.linear) -> torch.Tensor:
     """w2(silu(w1 x) * w3 x) with clamped inputs; the weights are whatever `linear` takes (tensors for F.linear, names
     for a runner's projection)."""
-    gate, up = linear(x, w1), linear(x, w3)
+    return linear(clamped_swiglu(linear(x, w1), linear(x, w3), limit), w2)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp for limit None); one launch on a GPU
+    (npu.deepseek_v4.activation_triton)."""
+    if activation_kernel_applies(gate.device):
+        return clamped_swiglu_op(gate, up, limit)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return linear(F.silu(gate) * up, w2)
+    return F.silu(gate) * up
 
 
 def by_expert(h: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -218,10 +226,7 @@ def masked_grouped_gemm(rows: torch.Tensor, stack: torch.Tensor, ends: torch.Ten
 def grouped_swiglu(rows: torch.Tensor, ends: torch.Tensor, w1: Held, w3: Held, w2: Held, limit: float | None,
                    gemm: GroupedGemm) -> torch.Tensor:
     """swiglu of rows sorted by expert, each expert's rows (up to ends[e]) through its w1, w3, w2 of the stacks."""
-    gate, up = gemm(rows, w1, ends), gemm(rows, w3, ends)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return gemm(F.silu(gate) * up, w2, ends)
+    return gemm(clamped_swiglu(gemm(rows, w1, ends), gemm(rows, w3, ends), limit), w2, ends)
 
 
 def grouped_pairs(h: torch.Tensor, ids: torch.Tensor, per_row: int, num_groups: int, w1: Held, w3: Held, w2: Held,

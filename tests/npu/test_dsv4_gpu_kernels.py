@@ -1,5 +1,5 @@
 """DeepSeek V4's step with every kernel a GPU runner takes (Triton: Sinkhorn, RoPE, the RMS norms, the
-hyper-connections' mixing, the attention over its paged rows), run in Triton's interpreter on the CPU
+hyper-connections' mixing, the attention over its paged rows and the indexer's scores, the clamped SwiGLU), run in Triton's interpreter on the CPU
 (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU), against the same runner on the torch ops a CPU
 runs: the device guard's serving steps (prompts, a chunk after cached tokens beside a prompt's second chunk, decode
 rows with more CSA rows than index_topk, so the indexer picks), in float32: close, and the same greedy tokens.
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 triton = pytest.importorskip("triton")
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
-from npu.deepseek_v4 import attention, hyper, rope  # noqa: E402
+from npu.deepseek_v4 import attention, hyper, moe, rope  # noqa: E402
 from npu.deepseek_v4.sinkhorn_triton import triton_sinkhorn  # noqa: E402
 from npu.registry import build_runner  # noqa: E402
 from tests.npu.test_device_guard import BLOCKS, DSV4, serving_steps  # noqa: E402
@@ -34,6 +34,7 @@ def gpu_kernels(runner) -> ExitStack:
     for module in (hyper, attention):
         stack.enter_context(mock.patch.object(module, "norm_kernel_applies", lambda device: True))
     stack.enter_context(mock.patch.object(hyper, "hyper_kernels_apply", lambda device, hc: True))
+    stack.enter_context(mock.patch.object(moe, "activation_kernel_applies", lambda device: True))
     return stack
 
 

@@ -19,6 +19,7 @@ from npu import triton_runtime
 from npu.deepseek_v4.norms_triton import norm_kernel_applies
 from npu.deepseek_v4.hyper_triton import hyper_kernels_apply
 from npu.deepseek_v4.rope_triton import rotation_kernel_applies
+from npu.deepseek_v4.activation_triton import activation_kernel_applies
 from tests.npu.test_device_guard import DSV4, QWEN3, fake_runner, serving_steps, step
 qwen3, _ = fake_runner(QWEN3)
 dsv4, _ = fake_runner(DSV4)
@@ -29,7 +30,8 @@ cuda = torch.device("cuda")
 print(json.dumps({"triton": triton_runtime.triton is not None, "qwen3_decode": qwen3.paged_decode is not None,
                   "qwen3_cached_prefill": qwen3.cached_prefill is not None, "dsv4_in_place": dsv4.attention.in_place,
                   "norms": norm_kernel_applies(cuda), "hyper": hyper_kernels_apply(cuda, 4),
-                  "rope": rotation_kernel_applies(cuda), "sinkhorn": dsv4.sinkhorn.__name__}))
+                  "rope": rotation_kernel_applies(cuda), "swiglu": activation_kernel_applies(cuda),
+                  "sinkhorn": dsv4.sinkhorn.__name__}))
 """
 
 
