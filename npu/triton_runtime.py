@@ -9,6 +9,9 @@ disagrees, as APPLIANCE_CPU_KERNELS=0 is for the CPU kernels.
 
 INTERPRETED: Triton's CPU interpreter is on (TRITON_INTERPRET=1; the tests set it where there is no GPU), so the
 kernels run on CPU tensors with numpy's semantics.
+
+rounded_as: the kernels' one rounding helper, float32 rounded as torch stores a tensor of the compute dtype (bfloat16:
+to nearest even by the bits, which torch's cast does and the interpreter's own cast does not) and read back.
 """
 
 from __future__ import annotations
@@ -29,3 +32,16 @@ except ImportError:  # pragma: no cover - a host without Triton runs the torch o
 if triton is not None and os.environ.get(SWITCH, "1") == "0":
     log.info("%s=0: the Triton kernels are off; the torch ops run in their place", SWITCH)
     triton = None
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def rounded_as(y, BF16: tl.constexpr):
+        """float32 y as torch would store it in the compute dtype, read back as float32: bfloat16 rounded to nearest
+        even by the bits (NaN is not expected here); float32 unchanged."""
+        if BF16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        return y

@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from npu.triton_runtime import triton
+from npu.triton_runtime import rounded_as, triton
 
 BLOCK = 1024        # elements per program
 
 if triton is not None:
     import triton.language as tl
-
-    @triton.jit
-    def _round_as(y, BF16: tl.constexpr):
-        """float32 rounded to the activations' dtype and back (bfloat16: to nearest even by the bits, as torch's cast)."""
-        if BF16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        return y
 
     @triton.jit
     def _clamped_swiglu(gate_ptr, up_ptr, out_ptr, numel, limit, CLAMP: tl.constexpr, BF16: tl.constexpr,
@@ -46,8 +37,8 @@ if triton is not None:
         if CLAMP:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        silu = _round_as(gate / (1.0 + tl.exp(-gate)), BF16)
-        out = _round_as(silu * up, BF16)
+        silu = rounded_as(gate / (1.0 + tl.exp(-gate)), BF16)
+        out = rounded_as(silu * up, BF16)
         tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 

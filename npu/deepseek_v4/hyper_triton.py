@@ -28,22 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from npu.triton_runtime import triton
+from npu.triton_runtime import rounded_as, triton
 
 BLOCK_D = 256        # channels of the streams per program
 
 
 if triton is not None:
     import triton.language as tl
-
-    @triton.jit
-    def _as_dtype(y, BF16: tl.constexpr):
-        """float32 rounded to the streams' dtype and back (bfloat16: to nearest even by the bits, as torch's cast)."""
-        if BF16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        return y
 
     @triton.jit
     def _hc_mix(mixes_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr, collapsed_ptr, width, dim, eps,
@@ -65,7 +56,7 @@ if triton is not None:
         inside = cols < dim
         s = tl.load(streams_ptr + (token * HC + h[:, None]) * dim + cols[None, :], mask=inside[None, :],
                     other=0.0).to(tl.float32)                                          # [HC, BLOCK]
-        collapsed = _as_dtype(tl.sum(pre[:, None] * s, axis=0), BF16)
+        collapsed = rounded_as(tl.sum(pre[:, None] * s, axis=0), BF16)
         tl.store(collapsed_ptr + token * dim + cols, collapsed.to(collapsed_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -79,10 +70,10 @@ if triton is not None:
                     other=0.0).to(tl.float32)                                          # [HC (j), BLOCK]
         o = tl.load(out_ptr + token * dim + cols, mask=inside, other=0.0).to(tl.float32)
         for i in tl.static_range(HC):
-            spread = _as_dtype(_as_dtype(tl.load(post_ptr + token * HC + i), BF16) * o, BF16)
-            weights = _as_dtype(tl.load(comb_ptr + token * HC * HC + h * HC + i), BF16)           # comb[j, i]
-            mixed = _as_dtype(tl.sum(weights[:, None] * s, axis=0), BF16)
-            value = _as_dtype(spread + mixed, BF16)
+            spread = rounded_as(rounded_as(tl.load(post_ptr + token * HC + i), BF16) * o, BF16)
+            weights = rounded_as(tl.load(comb_ptr + token * HC * HC + h * HC + i), BF16)           # comb[j, i]
+            mixed = rounded_as(tl.sum(weights[:, None] * s, axis=0), BF16)
+            value = rounded_as(spread + mixed, BF16)
             tl.store(result_ptr + (token * HC + i) * dim + cols, value.to(result_ptr.dtype.element_ty), mask=inside)
 
 

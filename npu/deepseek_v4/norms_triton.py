@@ -22,20 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from npu.triton_runtime import triton
+from npu.triton_runtime import rounded_as, triton
 
 MAX_BLOCK = 1024     # columns per pass of a row's loop
 
 
 if triton is not None:
     import triton.language as tl
-
-    @triton.jit
-    def _round_bf16(y):
-        """float32 -> bfloat16 rounded to nearest even by the bits (torch's cast; NaN is not expected here)."""
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _rms_rows(x_ptr, w_ptr, out_ptr, width, eps, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -48,8 +41,7 @@ if triton is not None:
             squares += x * x
         inv = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / width + eps)
         if not WEIGHTED:                                   # rsqrt(...).to(x.dtype): rounded before the product
-            if BF16:
-                inv = _round_bf16(inv).to(tl.float32)
+            inv = rounded_as(inv, BF16)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < width
@@ -58,10 +50,7 @@ if triton is not None:
                 y = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32) * (x * inv)
             else:
                 y = x * inv
-            if BF16:
-                tl.store(out_ptr + row + cols, _round_bf16(y), mask=inside)
-            else:
-                tl.store(out_ptr + row + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+            tl.store(out_ptr + row + cols, rounded_as(y, BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def norm_kernel_applies(device: torch.device) -> bool:
