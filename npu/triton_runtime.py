@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger("npu.triton_runtime")
 
@@ -33,10 +34,12 @@ if triton is not None and os.environ.get(SWITCH, "1") == "0":
     log.info("%s=0: the Triton kernels are off; the torch ops run in their place", SWITCH)
     triton = None
 
+rounded_as: Any = None    # defined below where Triton is on; a kernel module only calls it inside its own `triton` guard
+
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit  # type: ignore[no-redef]
     def rounded_as(y, BF16: tl.constexpr):
         """float32 y as torch would store it in the compute dtype, read back as float32: bfloat16 rounded to nearest
         even by the bits (NaN is not expected here); float32 unchanged."""

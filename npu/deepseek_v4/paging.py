@@ -110,7 +110,12 @@ class StepPlan:
         tensors: two) and each buffer uploaded without waiting; the plan's tensors are views of those. About 40
         tensors per step, each its own copy before (a launch and a staging copy apiece)."""
         host: list[torch.Tensor] = []
-        self.map(lambda t: host.append(t) or t)
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            host.append(t)
+            return t
+
+        self.map(collect)
         moved = iter(packed_upload(host, device))
         return self.map(lambda t: next(moved))
 
