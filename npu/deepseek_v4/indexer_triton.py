@@ -34,6 +34,9 @@ PLAIN, FLOAT8, INT8 = 0, 1, 2      # how a pool row holds its values (VALUES)
 if triton is not None:
     import triton.language as tl
 
+    # the kernel's view of the three (a jitted function reads a module global only as a tl.constexpr)
+    PLAIN_ROWS, FLOAT8_ROWS = tl.constexpr(PLAIN), tl.constexpr(FLOAT8)
+
     # The query count, the rows ranked and the tables' strides change from step to step: not specialized (Triton would
     # compile a variant per divisibility class the first time one appears mid-serving).
     @triton.jit(do_not_specialize=["queries_per_seq", "num_rows", "width", "ps", "pk", "ms", "mq", "mk"])
@@ -56,11 +59,11 @@ if triton is not None:
         row = tl.load(row_ptr + seq * ps + rows * pk, mask=inside, other=0).to(tl.int64)
         seen = inside & (tl.load(mask_ptr + seq * ms + query * mq + rows * mk, mask=inside, other=0) != 0)
         at = pool_ptr + page * page_stride + row * row_stride                              # each row's first byte
-        if VALUES == PLAIN:
+        if VALUES == PLAIN_ROWS:
             k = tl.load(at[:, None] + dims[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
         else:
             raw = tl.load(at[:, None] + dims[None, :], mask=seen[:, None], other=0)         # [ROWS, DIM] bytes
-            if VALUES == FLOAT8:
+            if VALUES == FLOAT8_ROWS:
                 values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 values = raw.to(tl.int8, bitcast=True).to(tl.float32)
