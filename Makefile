@@ -1,6 +1,6 @@
 PYTHON ?= python
 
-.PHONY: install test proto bench bench-all soak clean mutation device-check wheelhouse
+.PHONY: install test proto bench bench-all soak clean mutation device-check gpu-kernels wheelhouse
 
 # The CPU build of torch 2.13 is installed first, from its CPU index, so that no dependency pulls a multi-GB CUDA
 # build (on Linux PyPI's torch is the CUDA one). The last line compiles the CPU kernels into
@@ -19,6 +19,11 @@ test:
 # serving, tok/s beside transformers), in a few minutes; summary.md/json in DEVICE_CHECK_OUT (default device-check/).
 device-check:
 	$(PYTHON) bench/device_check.py
+
+# Every Triton kernel compiled for an H100 / H200 (sm_90) on this machine, no GPU needed: each variant the shipped
+# models launch, its shared memory, registers and spills; fails on a kernel that does not compile or does not fit.
+gpu-kernels:
+	$(PYTHON) bench/compile_gpu_kernels.py $(GPU_KERNELS_ARGS)
 
 # Every wheel this project needs besides torch, for a host without network (README "Install offline"): run it on a
 # connected host; WHEEL_PYTHON / WHEEL_PLATFORM name the offline host's Python and platform. Install there with
