@@ -49,8 +49,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver as triton_driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from appliance.core.step_limits import step_limits, worst_steps  # noqa: E402
-from tests.npu.test_device_guard import DSV4, DSV4_QUANTIZED, QWEN3, fake_runner, serving_steps, step  # noqa: E402
+from appliance.core.step_limits import least_steps, step_limits, worst_steps  # noqa: E402
+from npu.step import SeqStep, StepBatch  # noqa: E402
+from tests.npu.test_device_guard import (  # noqa: E402
+    DSV4,
+    DSV4_QUANTIZED,
+    QWEN3,
+    fake_runner,
+    serving_steps,
+    step,
+    tables,
+)
 
 # Shared memory a block may use (the opt-in maximum, bytes), by compute capability.
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448}
@@ -71,7 +80,7 @@ class Build:
     """One compiled variant of a kernel (or the error that stopped it), with what the cubin needs per thread and
     block."""
     kernel: str
-    model: str            # the first model that launched this variant
+    model: str            # the first model that launched this variant, and when: "[startup]" or "[serving]"
     variant: str          # its specialization: argument types and alignment, constexpr values
     seconds: float        # compile time (0 when Triton's cache had it)
     warps: int = 0
@@ -184,17 +193,32 @@ def describe(name: str, kind: str, value: Any) -> str:
     return f"{name}:{kind}{':' + value if isinstance(value, str) and value else ''}"
 
 
+def more_serving_steps(runner: Any, decode_batch: int) -> list[StepBatch]:
+    """Sizes the device guard's serving steps do not take: a 5-token prompt, a 7-token chunk after 16 cached tokens,
+    and decode steps of 1, 3 and 17 rows (at most decode_batch)."""
+    rows = [(f"r{i}", tables(runner, 2 * i, 128)) for i in range(17)]
+    steps = [StepBatch([SeqStep("r0", list(range(3, 8)), 0, rows[0][1], prompt_len=5)]),
+             StepBatch([SeqStep("r1", list(range(3, 10)), 16, rows[1][1], prompt_len=23)])]
+    for n in sorted({min(n, decode_batch) for n in (1, 3, 17)}):
+        steps.append(StepBatch([SeqStep(rid, [7 + i], 40 + i, t) for i, (rid, t) in enumerate(rows[:n])]))
+    return steps
+
+
 def run_models(compiler: Compiler, models: dict[str, list[str]]) -> None:
-    """Each model's serving steps and the startup profile's worst steps, on fake CUDA, compiling what they launch."""
+    """Each model on fake CUDA, compiling what it launches: first the startup profile's steps (the worst and the
+    least, as npu.launcher runs them), then serving steps of other sizes, whose variants must all be built by then
+    (a variant first met while serving is a compile in a request's path on a GPU)."""
     for label, overrides in models.items():
-        compiler.model = label
         started = time.perf_counter()
         with compiler.active():
+            compiler.model = f"{label} [startup]"
             runner, rc = fake_runner(overrides)
-            for batch in serving_steps(runner):
-                step(runner, batch)
-            for shape in worst_steps(step_limits(rc)):
+            limits = step_limits(rc)
+            for shape in (*worst_steps(limits), *least_steps(limits)):
                 step(runner, runner.scratch_batch(shape))
+            compiler.model = f"{label} [serving]"
+            for batch in (*serving_steps(runner), *more_serving_steps(runner, limits.max_decode_rows)):
+                step(runner, batch)
         print(f"{label}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
@@ -203,7 +227,9 @@ def failures(builds: list[Build], arch: int) -> list[str]:
     limit = SHARED_LIMIT[arch]
     return ([f"{b.kernel} ({b.model}): {b.error}\n    {b.variant}" for b in builds if b.error] +
             [f"{b.kernel} ({b.model}): {b.shared_bytes:,} bytes of shared memory, the block limit is {limit:,}\n"
-             f"    {b.variant}" for b in builds if b.error is None and b.shared_bytes > limit])
+             f"    {b.variant}" for b in builds if b.error is None and b.shared_bytes > limit] +
+            [f"{b.kernel} ({b.model}): first compiled while serving, not at startup\n    {b.variant}"
+             for b in builds if b.error is None and b.model.endswith("[serving]")])
 
 
 def report(builds: list[Build], arch: int) -> list[str]:
@@ -220,7 +246,8 @@ def report(builds: list[Build], arch: int) -> list[str]:
         if ok:
             lines.append(f"| {name} | {len(ok)}{f' (+{len(failed)} failed)' if failed else ''} | "
                          f"{max(b.shared_bytes for b in ok):,} | {max(b.registers for b in ok)} | "
-                         f"{max(b.spilled_bytes for b in ok)} | {sum(b.seconds for b in ok):.1f} | {'; '.join(models)} |")
+                         f"{max(b.spilled_bytes for b in ok)} | {sum(b.seconds for b in ok):.1f} | "
+                         f"{'; '.join(models)} |")
         else:
             lines.append(f"| {name} | 0 (+{len(failed)} failed) | - | - | - | - | {'; '.join(models)} |")
     problems = failures(builds, arch)

@@ -479,13 +479,23 @@ def line_grouped_gemm(out: Path) -> Line:
     return line
 
 
+def late_compiles(out: Path) -> list[str]:
+    """The warnings of npu.triton_runtime.watch_compiles in the lines' logs: Triton kernel variants a process built
+    after its startup, each a compile a step waited for."""
+    return [f"{log.name}: {line.strip()}" for log in sorted(out.glob("*.log"))
+            for line in log.read_text(errors="replace").splitlines() if "after startup (" in line]
+
+
 def summary(lines: list[Line], out: Path, gpu: str, started: str) -> str:
     rows = [f"| {ln.key} | {ln.title} | {ln.status} | {ln.seconds:.0f} s | {ln.detail} |" for ln in lines]
+    late = late_compiles(out)
     text = "\n".join([f"device check, {started} UTC, {gpu}", "",
-                      "| line | what | result | time | figures |", "|---|---|---|---|---|", *rows, ""])
+                      "| line | what | result | time | figures |", "|---|---|---|---|---|", *rows, "",
+                      f"Triton kernel variants built after a process's startup (a step waited for each): {len(late)}",
+                      *late[:20], ""])
     (out / "summary.md").write_text(text)
-    (out / "summary.json").write_text(json.dumps({"started": started, "gpu": gpu, "lines": [ln.__dict__ for ln in lines]},
-                                                 indent=1, default=str))
+    (out / "summary.json").write_text(json.dumps({"started": started, "gpu": gpu, "late_compiles": late,
+                                                  "lines": [ln.__dict__ for ln in lines]}, indent=1, default=str))
     return text
 
 

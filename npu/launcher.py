@@ -11,7 +11,8 @@
 4. load weights (timed);
 5. allocate scratch-only pools (0 blocks + decode_batch scratch pages), reset the peak, run every step of
    appliance.core.step_limits.worst_steps (the heaviest steps the scheduler can issue: it reads the same
-   step_limits) and the sampler at its largest batch with temperature, top-k and top-p, then read each
+   step_limits), then its least steps (least_steps: kernel variants chosen by a step's size are built before the
+   first request), and the sampler at its largest batch with temperature, top-k and top-p, then read each
    device's probe as the driver sees it; peak_non_kv = the caching allocator's peak reserved bytes (allocated
    ones, its cache and fragmentation; the CPU: allocated) + this process's memory outside torch (runtime context,
    library workspaces) - the scratch pools (the planner counts scratch itself); then free the scratch pools and
@@ -22,7 +23,9 @@
    everything and re-plan from the free memory the devices then report (planner.slots_that_fit);
 8. with device.graphs on (null: on for accelerators), capture the runner's decode graphs over the final pools (the
    profile captured them once on the scratch pools, so their memory is in peak_non_kv; npu/graphs.py);
-9. return the runner and a StartupReport of what was finally allocated.
+9. from here on, log each Triton kernel variant built as a warning (npu.triton_runtime.watch_compiles: the profile
+   launched every step size, so a later build is a compile a request waits for);
+10. return the runner and a StartupReport of what was finally allocated.
 
 The planning half runs unchanged with a scripted backend and a shape-only runner (tests/support/fake_device.py),
 so NPU-scale startups are tested on a CPU without allocating anything.
@@ -56,12 +59,13 @@ from appliance.core.planner import (
     slots_that_fit,
 )
 from appliance.core.startup_report import StartupReport
-from appliance.core.step_limits import StepLimits, step_limits, worst_steps
+from appliance.core.step_limits import StepLimits, least_steps, step_limits, worst_steps
 from appliance.core.units import human_bytes
 from npu.backends import Backend, MemoryStats, select_backend
 from npu.registry import build_runner
 from npu.runner import ModelRunner
 from npu.sampler import Sampler, worst_case_rows
+from npu.triton_runtime import watch_compiles
 from npu.weights import check_checkpoint_tensors
 
 if TYPE_CHECKING:
@@ -109,13 +113,14 @@ def check_free_memory_at_start(rc: RuntimeConfig, backend: Backend, place: RankP
     return stats
 
 
-def profile_worst_steps(runner: ModelRunner, limits: StepLimits) -> tuple[str, ...]:
-    """Run every worst step on scratch pages, then the sampler at its largest batch; returns what ran.
+def profile_steps(runner: ModelRunner, limits: StepLimits) -> tuple[str, ...]:
+    """Run every worst step on scratch pages, then the least ones (so that kernel variants picked by a step's size
+    are built now, not at the first request), then the sampler at its largest batch; returns what ran.
 
     A shape-only runner (meta tensors) has no memory to measure and no random generator, so its sampler
     run is skipped."""
     ran = []
-    for step in worst_steps(limits):
+    for step in (*worst_steps(limits), *least_steps(limits)):
         runner.execute(runner.scratch_batch(step))
         ran.append(f"{step.name}: {step.num_tokens} tokens over {len(step.seqs)} sequences")
     if runner.device.type != "meta":
@@ -165,7 +170,7 @@ def measure(rc: RuntimeConfig, backend: Backend, runner: ModelRunner, at_start: 
             with torch.inference_mode(), backend.tracking() as tracker:
                 if tracker is not None:     # every weight is resident, also those no profiled step reads
                     tracker.adopt([*runner.pools.values(), *runner.weight_tensors()])
-                ran = profile_worst_steps(runner, limits)
+                ran = profile_steps(runner, limits)
                 graphs = capture_graphs(rc, backend, runner)    # on scratch pages: their memory is in the peak
                 if graphs:
                     ran += (f"decode graphs: {graphs}",)
@@ -338,6 +343,8 @@ def launch(rc: RuntimeConfig, backend: Backend | None = None, runner: ModelRunne
             retries += 1
     graphs = phase("capturing graphs", lambda: capture_graphs(rc, backend, runner))
     alloc_s = time.perf_counter() - t0
+    if backend.kind != "cpu" and watch_compiles():
+        log.info("kernels built for every step size; a Triton kernel built from now on is logged as a warning")
     notes = [
         "profiled on scratch pages: " + "; ".join(m.profiled_steps),
         memory_note(m, backend),

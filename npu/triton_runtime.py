@@ -10,6 +10,9 @@ disagrees, as APPLIANCE_CPU_KERNELS=0 is for the CPU kernels.
 INTERPRETED: Triton's CPU interpreter is on (TRITON_INTERPRET=1; the tests set it where there is no GPU), so the
 kernels run on CPU tensors with numpy's semantics.
 
+watch_compiles: from the end of startup on, each kernel variant Triton builds is logged as a warning with its compile
+time: the startup profile launches every step size (npu/launcher.py), so a later build is one a request waited for.
+
 rounded_as: the kernels' one rounding helper, float32 rounded as torch stores a tensor of the compute dtype (bfloat16:
 to nearest even by the bits, which torch's cast does and the interpreter's own cast does not) and read back.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger("npu.triton_runtime")
@@ -34,7 +38,35 @@ if triton is not None and os.environ.get(SWITCH, "1") == "0":
     log.info("%s=0: the Triton kernels are off; the torch ops run in their place", SWITCH)
     triton = None
 
-rounded_as: Any = None    # defined below where Triton is on; a kernel module only calls it inside its own `triton` guard
+COMPILES_AFTER_STARTUP = 0      # variants built since watch_compiles(); the tests read it
+
+
+def watch_compiles() -> bool:
+    """Log a warning for each kernel variant Triton builds from now on, with its name and compile time (Triton's
+    JIT hooks, which run where a variant is not yet in this process's cache). False where Triton is off or too old
+    to have the hooks (before 3.4)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return False
+    started: dict[str, float] = {}
+
+    def before(*, key: Any, **_: Any) -> None:      # None: Triton compiles as usual (True would skip it)
+        started[str(key)] = time.perf_counter()
+
+    def after(*, key: Any, fn: Any, **_: Any) -> None:
+        global COMPILES_AFTER_STARTUP
+        COMPILES_AFTER_STARTUP += 1
+        seconds = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        log.warning("Triton built a variant of %s after startup (%.2f s, a step waited for it): the startup "
+                    "profile's steps did not launch this one (bench/compile_gpu_kernels.py lists them)",
+                    getattr(fn, "name", fn), seconds)
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
+    return True
+
+
+rounded_as: Any = None    # defined below where Triton is on; kernel modules call it only inside their `triton` guard
 
 if triton is not None:
     import triton.language as tl

@@ -24,6 +24,11 @@ aligned start. When max_model_len - chunk is not aligned, the longest chunk cann
 both ends of that trade are profiled: the full chunk from the last aligned start that fits, and the shorter
 chunk from the next boundary to max_model_len. Extremes that come out as the same step (with max_model_len
 equal to the chunk, the prefill wave is also the long chunks at full context) run once, named "a = b".
+
+`least_steps(limits)` lists the smallest steps (one decode row, short chunks), which the launcher runs after
+them: a kernel that picks its variant by a step's size (the Triton grouped GEMM's 16-row tiles for a few rows, a
+JIT-compiled variant a GPU builds on first use) has met every size class before the first request, so no request
+waits for a compile.
 """
 
 from __future__ import annotations
@@ -145,3 +150,19 @@ def worst_steps(limits: StepLimits) -> tuple[StepShape, ...]:
         same = distinct.get(key)
         distinct[key] = step if same is None else StepShape(f"{same.name} = {step.name}", same.seqs)
     return tuple(distinct.values())
+
+
+def least_steps(limits: StepLimits) -> tuple[StepShape, ...]:
+    """The smallest steps `limits` allow: one decode row (with its drafts) at full context, and where chunks are
+    allowed a 2-token chunk from position 0 and one after a block of cached tokens (a prefix hit's or a long
+    prompt's later chunk, which the worst steps lack when max_model_len is one chunk)."""
+    ctx, align = limits.max_context, limits.chunk_align
+    steps = []
+    if limits.max_decode_rows:
+        steps.append(StepShape("one_decode_row", (SeqShape(limits.decode_tokens, ctx - limits.decode_tokens,
+                                                            limits.draft_tokens),)))
+    if limits.max_chunk >= 2:
+        steps.append(StepShape("short_chunk", (SeqShape(2, 0),)))
+        if align + 2 <= ctx:
+            steps.append(StepShape("short_chunk_after_cached", (SeqShape(2, align),)))
+    return tuple(steps)

@@ -40,7 +40,7 @@ if triton is not None:
             return tl.math.div_rn(x, s)
         return x / s                     # the interpreter: numpy's division, already correctly rounded
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num"])     # the step's token count: no new variant for a new count mid-serving
     def _sinkhorn(comb_ptr, out_ptr, num, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
                   EXACT: tl.constexpr):
         tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.config.compose import load_runtime_config
-from appliance.core.step_limits import StepLimits, step_limits, worst_steps
+from appliance.core.step_limits import SeqShape, StepLimits, least_steps, step_limits, worst_steps
 
 
 def test_limits_come_from_the_config_and_cap_chunks_at_tokens_in_flight():
@@ -73,3 +73,26 @@ def test_extremes_that_are_the_same_step_run_once_under_both_names():
                         chunk_align=16)
     assert [s.name for s in worst_steps(limits)] == [
         "decode_gather", "long_chunk", "prefill_wave = long_chunks_at_full_context", "short_chunks_at_full_context"]
+
+
+@given(limits_strategy, st.integers(0, 3))
+def test_least_steps_are_legal_and_hold_the_fewest_tokens(limits, drafts):
+    """One decode row (with its drafts), a 2-token chunk from position 0 and one after a block of cached tokens: the
+    sizes and paths the worst steps may not take, run at start after them."""
+    limits = StepLimits(**{**limits.__dict__, "draft_tokens": drafts,
+                           "max_decode_rows": min(limits.max_decode_rows, limits.max_tokens // (1 + drafts))})
+    steps = {s.name: s for s in least_steps(limits)}
+    for step in steps.values():
+        assert len(step.seqs) == 1 and step.num_tokens <= limits.max_tokens and step.seqs[0].end <= limits.max_context
+    if limits.max_decode_rows:
+        (row,) = steps["one_decode_row"].seqs
+        assert (row.num_tokens, row.draft_tokens, row.end) == (1 + drafts, drafts, limits.max_context)
+    else:
+        assert "one_decode_row" not in steps
+    assert ("short_chunk" in steps) == (limits.max_chunk >= 2)
+    after_cached = limits.max_chunk >= 2 and limits.chunk_align + 2 <= limits.max_context
+    assert ("short_chunk_after_cached" in steps) == after_cached
+    if "short_chunk" in steps:
+        assert steps["short_chunk"].seqs[0] == SeqShape(2, 0)
+    if "short_chunk_after_cached" in steps:
+        assert steps["short_chunk_after_cached"].seqs[0] == SeqShape(2, limits.chunk_align)   # aligned, as scheduled

@@ -1,5 +1,6 @@
 """bench/compile_gpu_kernels.py: every Triton kernel the GPU path launches compiles for an H100 / H200 (sm_90) and
-fits its shared memory, in every variant the shipped models launch, on this machine without a GPU.
+fits its shared memory, in every variant the shipped models launch, on this machine without a GPU; and the startup
+profile's steps launch every variant that serving steps of other sizes take (no compile in a request's path).
 
 The other kernel tests run the kernels in Triton's interpreter, which accepts what the compiler refuses; these run
 the compiler (ptxas included) in a subprocess without TRITON_INTERPRET, which the suite sets for itself."""
@@ -46,6 +47,8 @@ def test_every_kernel_compiles_for_sm90_in_every_variant_the_models_launch(tmp_p
     report = json.loads(out.read_text())
     builds = report["builds"]
     assert not [b for b in builds if b["error"]]
+    # the startup profile's steps (worst and least) build every variant: serving steps of other sizes compile nothing
+    assert not [b for b in builds if b["model"].endswith("[serving]")]
     assert max(b["shared_bytes"] for b in builds) <= report["shared_limit"] == 232_448
     jitted, launched = jitted_and_launched()
     compiled = {b["kernel"] for b in builds}
@@ -108,3 +111,34 @@ def test_the_check_fails_on_what_only_a_gpu_compile_finds(tmp_path):
     assert len(found) == 2, found
     assert "reads_a_global" in found[0] and "FLAG" in found[0]
     assert "too_much_shared" in found[1] and "shared memory" in found[1]
+
+
+WATCH = '''
+import sys, torch
+sys.path.insert(0, "bench")
+from compile_gpu_kernels import Compiler
+from npu import triton_runtime
+from npu.deepseek_v4.activation_triton import clamped_swiglu_op
+x = torch.zeros(4, 64)
+with Compiler(90).active():
+    clamped_swiglu_op(x, x, None)          # built during startup: not reported
+    assert triton_runtime.watch_compiles()
+    clamped_swiglu_op(x, x, None)          # the same variant: already built, nothing to report
+    clamped_swiglu_op(x, x, 7.0)           # a variant startup did not build (CLAMP=True)
+print("COUNT", triton_runtime.COMPILES_AFTER_STARTUP)
+'''
+
+
+def test_a_kernel_built_after_startup_is_logged_as_a_warning(tmp_path):
+    """npu.triton_runtime.watch_compiles (the launcher's last step on an accelerator) through Triton's own JIT hooks:
+    one warning for the one variant built after it, naming the kernel; make device-check's summary counts it."""
+    proc = subprocess.run([sys.executable, "-c", WATCH], env=without_interpreter(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split()[-2:] == ["COUNT", "1"]
+    warnings = [line for line in proc.stderr.splitlines() if "after startup" in line]
+    assert len(warnings) == 1 and "_clamped_swiglu" in warnings[0], proc.stderr[-2000:]
+    (tmp_path / "a_line.log").write_text(proc.stderr)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import device_check
+    assert device_check.late_compiles(tmp_path) == [f"a_line.log: {warnings[0].strip()}"]
