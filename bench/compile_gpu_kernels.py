@@ -17,9 +17,10 @@ against a driver that names the target; ptxas makes the cubin, and cuobjdump rea
 (local memory) and stack. A launch with fake tensors gets stand-ins on the host with the same dtype and alignment
 (nothing runs, so their size does not matter). Models: the Qwen3-8B layout and DeepSeek V4 at its real widths
 (6 layers, FP8 linears and FP4 experts as released), as make device-check runs them, and the device guard's tiny
-models (float32, and DeepSeek V4 with quantized weights at tiny widths); steps: the device guard's serving steps and
-every worst step of the startup profile. It fails (exit 1) on a kernel that does not compile or needs more shared
-memory than the target gives a block.
+models (float32, and DeepSeek V4 with quantized weights at tiny widths). Steps: first those the startup profile runs
+(npu/launcher.py: the worst and the least of appliance.core.step_limits), then serving steps of other sizes. It fails
+(exit 1) on a kernel that does not compile, needs more shared memory than the target gives a block, or is first built
+by a serving step (on a GPU, a compile that request waits for), and on a launch grid past CUDA's limits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -142,6 +143,7 @@ class Compiler:
         self.target = GPUTarget("cuda", arch, 32)
         self.model = ""
         self.builds: dict[tuple[str, str], Build] = {}
+        self.grid_errors: list[str] = []
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -149,6 +151,7 @@ class Compiler:
         compiler = self
 
         def compile_instead(kernel: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+            compiler.check_grid(kernel.fn.__name__, grid)
             compiler.compile(launch, kernel, [stand_in(a) for a in args], {k: stand_in(v) for k, v in kwargs.items()})
 
         # the ops' real implementations under fake tensors: they size their launch from real shapes and strides
@@ -164,6 +167,15 @@ class Compiler:
             JITFunction.run = launch  # type: ignore[method-assign]   (the target's driver stays: there is no other)
             for name, op in ops.items():
                 op._abstract_fn = fakes[name]
+
+    def check_grid(self, name: str, grid: Any) -> None:
+        """A launch grid past CUDA's limits (x < 2^31, y and z <= 65,535) fails on the GPU, not in the interpreter."""
+        dims = tuple(grid) if isinstance(grid, (tuple, list)) else ()
+        if any(not isinstance(d, int) for d in dims):
+            return                                  # a grid function of the launch's meta-parameters: not checked
+        over = [f"axis {i}: {d:,}" for i, d in enumerate(dims) if d > (2**31 - 1 if i == 0 else 65_535)]
+        if over:
+            self.grid_errors.append(f"{name} ({self.model}): grid {dims} past CUDA's limit ({', '.join(over)})")
 
     def compile(self, launch: Any, kernel: JITFunction, args: list, kwargs: dict) -> None:
         name = kernel.fn.__name__
@@ -222,17 +234,18 @@ def run_models(compiler: Compiler, models: dict[str, list[str]]) -> None:
         print(f"{label}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
-def failures(builds: list[Build], arch: int) -> list[str]:
-    """The variants that did not compile or need more shared memory than a block of the target has."""
+def failures(builds: list[Build], arch: int, grid_errors: Sequence[str] = ()) -> list[str]:
+    """The variants that did not compile, need more shared memory than a block of the target has or were first
+    built by a serving step; and the launches whose grid is past CUDA's limits."""
     limit = SHARED_LIMIT[arch]
-    return ([f"{b.kernel} ({b.model}): {b.error}\n    {b.variant}" for b in builds if b.error] +
+    return [*grid_errors, *([f"{b.kernel} ({b.model}): {b.error}\n    {b.variant}" for b in builds if b.error] +
             [f"{b.kernel} ({b.model}): {b.shared_bytes:,} bytes of shared memory, the block limit is {limit:,}\n"
              f"    {b.variant}" for b in builds if b.error is None and b.shared_bytes > limit] +
             [f"{b.kernel} ({b.model}): first compiled while serving, not at startup\n    {b.variant}"
-             for b in builds if b.error is None and b.model.endswith("[serving]")])
+             for b in builds if b.error is None and b.model.endswith("[serving]")])]
 
 
-def report(builds: list[Build], arch: int) -> list[str]:
+def report(builds: list[Build], arch: int, grid_errors: Sequence[str] = ()) -> list[str]:
     """A table per kernel (variants, the most shared memory, registers and spills of any) and the failures."""
     limit = SHARED_LIMIT[arch]
     lines = [f"Triton kernels compiled for sm_{arch} ({GPU_NAMES.get(arch, '?')}; shared memory per block at most "
@@ -250,7 +263,7 @@ def report(builds: list[Build], arch: int) -> list[str]:
                          f"{'; '.join(models)} |")
         else:
             lines.append(f"| {name} | 0 (+{len(failed)} failed) | - | - | - | - | {'; '.join(models)} |")
-    problems = failures(builds, arch)
+    problems = failures(builds, arch, grid_errors)
     lines += ["", *(["Failures:", *problems] if problems else ["Every variant compiled and fits."])]
     return lines
 
@@ -266,11 +279,12 @@ def main() -> int:
     compiler = Compiler(a.arch)
     run_models(compiler, TINY if a.tiny_only else {**REAL, **TINY})
     builds = list(compiler.builds.values())
-    print("\n".join(report(builds, a.arch)))
+    print("\n".join(report(builds, a.arch, compiler.grid_errors)))
     if a.json:
         a.json.write_text(json.dumps({"arch": a.arch, "shared_limit": SHARED_LIMIT[a.arch],
-                                      "builds": [asdict(b) for b in builds]}, indent=1))
-    return 1 if failures(builds, a.arch) else 0
+                                      "grid_errors": compiler.grid_errors, "builds": [asdict(b) for b in builds]},
+                                     indent=1))
+    return 1 if failures(builds, a.arch, compiler.grid_errors) else 0
 
 
 if __name__ == "__main__":

@@ -89,14 +89,15 @@ x = torch.empty(256 * 256)
 compiler = Compiler(90)
 with compiler.active():
     broken.reads_a_global[(1,)](x, 8, BLOCK=8)
-    broken.too_much_shared[(1,)](x, x, x, BLOCK=256)
-print(json.dumps(failures(list(compiler.builds.values()), 90)))
+    broken.too_much_shared[(1, 70_000)](x, x, x, BLOCK=256)
+print(json.dumps(failures(list(compiler.builds.values()), 90, compiler.grid_errors)))
 '''
 
 
 def test_the_check_fails_on_what_only_a_gpu_compile_finds(tmp_path):
     """A kernel reading a non-constexpr module global runs in the interpreter and fails to compile here; a dot over
-    256 x 256 float32 tiles compiles and is refused for its shared memory (a launch on the GPU would fail)."""
+    256 x 256 float32 tiles compiles and is refused for its shared memory, and its grid of 70,000 on axis 1 for
+    CUDA's limit (a launch on the GPU would fail either way)."""
     (tmp_path / "broken.py").write_text(textwrap.dedent(BROKEN))
     env = {**without_interpreter(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
     interpreted = subprocess.run([sys.executable, "-c", "import torch, broken; x = torch.zeros(8); "
@@ -108,9 +109,10 @@ def test_the_check_fails_on_what_only_a_gpu_compile_finds(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(found) == 2, found
-    assert "reads_a_global" in found[0] and "FLAG" in found[0]
-    assert "too_much_shared" in found[1] and "shared memory" in found[1]
+    assert len(found) == 3, found
+    assert "too_much_shared" in found[0] and "axis 1: 70,000" in found[0]
+    assert "reads_a_global" in found[1] and "FLAG" in found[1]
+    assert "too_much_shared" in found[2] and "shared memory" in found[2]
 
 
 WATCH = '''
