@@ -37,7 +37,7 @@ import functools
 import torch
 
 from npu.quant import QuantizedWeight
-from npu.triton_runtime import INTERPRETED, triton
+from npu.triton_runtime import INTERPRETED, e4m3_values, triton
 
 if triton is not None:
     import triton.language as tl
@@ -69,12 +69,7 @@ if triton is not None:
                     w = tl.load(w_ptr + g * N * K + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
                 elif FORMAT == 1:                                            # FP8 e4m3 bytes [G, N, K]
                     bits = tl.load(w_ptr + g * N * K + cols[:, None] * K + ks[None, :], mask=w_mask, other=0)
-                    bits = bits.to(tl.int32)
-                    exponent = (bits >> 3) & 15
-                    mantissa = (bits & 7).to(tl.float32)
-                    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,                 # 2 ** -9
-                                         (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32)))
-                    w = tl.where((bits & 128) != 0, -magnitude, magnitude)
+                    w = e4m3_values(bits.to(tl.int32))
                     s = tl.load(s_ptr + g * scale_rows * scale_cols + (cols[:, None] // SCALE_BLOCK) * scale_cols
                                 + ks[None, :] // SCALE_BLOCK, mask=w_mask, other=127)
                     w = w * tl.exp2(s.to(tl.float32) - 127.0)

@@ -14,7 +14,8 @@ watch_compiles: from the end of startup on, each kernel variant Triton builds is
 time: the startup profile launches every step size (npu/launcher.py), so a later build is one a request waited for.
 
 rounded_as: the kernels' one rounding helper, float32 rounded as torch stores a tensor of the compute dtype (bfloat16:
-to nearest even by the bits, which torch's cast does and the interpreter's own cast does not) and read back.
+to nearest even by the bits, which torch's cast does and the interpreter's own cast does not) and read back;
+e4m3_values: float8 e4m3 bytes decoded by integer ops, so the FP8 readers compile for GPUs without float8 (sm_80).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def watch_compiles() -> bool:
     return True
 
 
+e4m3_values: Any = None
 rounded_as: Any = None    # defined below where Triton is on; kernel modules call it only inside their `triton` guard
 
 if triton is not None:
@@ -80,3 +82,13 @@ if triton is not None:
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)
         return y
+
+    @triton.jit
+    def e4m3_values(bits):
+        """float8 e4m3fn codes (int32, 0..255) as float32 by integer ops: the hardware's float8 type needs sm_89, and
+        an A100 (sm_80) has none. NaN codes decode as +-480 (quantized weights and index rows hold none)."""
+        exponent = (bits >> 3) & 15
+        mantissa = (bits & 7).to(tl.float32)
+        power = ((exponent + 117) << 23).to(tl.float32, bitcast=True)          # 2 ** (exponent - 10), exactly
+        magnitude = tl.where(exponent == 0, mantissa * 0.001953125, (8.0 + mantissa) * power)   # subnormal: m 2^-9
+        return tl.where((bits & 128) != 0, -magnitude, magnitude)
