@@ -19,11 +19,13 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.core.errors import ConfigError, ConfigIssue
 from appliance.serve.auth import bearer_token_matches
@@ -55,22 +57,7 @@ def create_app(server: FrontEndState, chat_format: ChatFormat | None) -> FastAPI
     registry = metrics_registry(server.engine.stats, models.model)
     app = FastAPI(title="appliance", docs_url=None, redoc_url=None, openapi_url=None,
                   max_body_size=server.rc.server.http_max_body_bytes)   # 413 while a body is read (http_limits)
-
-    @app.middleware("http")
-    async def authenticate(http: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        """The bearer token; and an unexpected fault in a handler answered as a JSON 500 that keeps the connection
-        (Starlette's own 500 is plain text, and uvicorn then closes the connection)."""
-        if token and http.url.path not in OPEN_PATHS \
-                and not bearer_token_matches(http.headers.get("authorization"), token):
-            err = ApiError(401, "missing or wrong bearer token (send the header Authorization: Bearer <token>)",
-                           type_="authentication_error", code="invalid_api_key")
-            return JSONResponse(err.body(), status_code=401, headers={"www-authenticate": "Bearer"})
-        try:
-            return await call_next(http)
-        except Exception as exc:       # noqa: BLE001 - logged; the client gets its name
-            log.exception("unexpected error answering %s", http.url.path)
-            return JSONResponse(internal_error(exc).body(), status_code=500)
-
+    app.add_middleware(TokenAndFaults, token=token)
     install_error_handlers(app, request_field_names())
     app.post("/v1/completions")(completion.completions)
     app.post("/v1/chat/completions")(chat.chat_completions)
@@ -84,6 +71,44 @@ def create_app(server: FrontEndState, chat_format: ChatFormat | None) -> FastAPI
         return Response(render(registry), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+class TokenAndFaults:
+    """ASGI middleware: the bearer token (server.auth_token) on every path but OPEN_PATHS; and an unexpected fault in
+    a handler, before its response started, answered as a JSON 500 that keeps the connection (Starlette's own 500 is
+    plain text, and uvicorn then closes the connection).
+
+    Plain ASGI, not Starlette's BaseHTTPMiddleware (`@app.middleware("http")`), which relays every response body
+    through a memory stream and a task of its own: a streamed completion paid that per server-sent event (about a
+    third of the HTTP front end's event-loop time with 64 streams, bench/bench_http.py)."""
+
+    def __init__(self, app: ASGIApp, token: str | None):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.token and scope["path"] not in OPEN_PATHS and not bearer_token_matches(
+                Headers(scope=scope).get("authorization"), self.token):
+            err = ApiError(401, "missing or wrong bearer token (send the header Authorization: Bearer <token>)",
+                           type_="authentication_error", code="invalid_api_key")
+            return await JSONResponse(err.body(), status_code=401, headers={"www-authenticate": "Bearer"})(
+                scope, receive, send)
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as exc:
+            log.exception("unexpected error answering %s", scope["path"])
+            if started:                # too late for a status: the connection ends, as with any broken response
+                raise
+            await JSONResponse(internal_error(exc).body(), status_code=500)(scope, receive, send)
 
 
 class EmbeddedUvicorn(uvicorn.Server):
