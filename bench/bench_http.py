@@ -8,7 +8,9 @@ prompts, fixed output lengths, greedy with ignore_eos) runs as concurrent gRPC s
 streaming /v1/completions requests from openai.AsyncOpenAI, one after the other so they never share the CPU.
 The texts are checked to be equal, so the difference is the API's cost (JSON + server-sent events vs protobuf
 over HTTP/2). Reports wall time, completion tok/s, mean TTFT and mean TPOT as the client sees them, and what
-the server's GET /metrics counted. Prints Markdown rows for BENCHMARKS.md.
+the server's GET /metrics counted, and the CPU time of the server's own process per completion token (its front
+ends; the engine core runs in a child process unless server.engine_process=false). Prints Markdown rows for
+BENCHMARKS.md.
 
 --runs N (default 3) rounds on the one server, interleaved: gRPC run 1, HTTP run 1, gRPC run 2, ...; round i
 uses workload seed bench.seed + i on both front ends (no round is served from an earlier round's prefix
@@ -29,6 +31,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,6 +47,23 @@ class StreamResult(Result):
 
     tpot_s: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    server_cpu_s: float = 0.0       # CPU time of the server's own process during the run (its front ends)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_server_cpu(pid: int, run: Callable[[int], StreamResult]) -> Callable[[int], StreamResult]:
+    """`run`, its result carrying the CPU time the server process `pid` spent meanwhile."""
+    def measured(i: int) -> StreamResult:
+        before = process_cpu_s(pid)
+        result = run(i)
+        result.server_cpu_s = process_cpu_s(pid) - before
+        return result
+    return measured
 
 
 def _summary(name: str, t0: float, wall: float, firsts: list[float], lasts: list[float], counts: list[int],
@@ -149,9 +169,10 @@ def main() -> None:
             asyncio.run(grpc_streams(grpc_address, warmup, "warmup"))
             asyncio.run(openai_streams(base_url, rc.model.name, warmup, "warmup"))
             runs = interleave(args.runs, {
-                "gRPC (grpc.aio streams)": lambda i: asyncio.run(grpc_streams(grpc_address, works[i], "gRPC")),
-                "HTTP (openai.AsyncOpenAI, SSE)": lambda i: asyncio.run(
-                    openai_streams(base_url, rc.model.name, works[i], "HTTP")),
+                "gRPC (grpc.aio streams)": with_server_cpu(proc.pid, lambda i: asyncio.run(
+                    grpc_streams(grpc_address, works[i], "gRPC"))),
+                "HTTP (openai.AsyncOpenAI, SSE)": with_server_cpu(proc.pid, lambda i: asyncio.run(
+                    openai_streams(base_url, rc.model.name, works[i], "HTTP"))),
             }, "bench_http")
             with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=30) as r:
                 metrics = r.read().decode()
@@ -169,13 +190,16 @@ def main() -> None:
           f"{' '.join(args.overrides) or '-'}; one server for both front ends and every round (round i: workload "
           f"seed {rc.bench.seed} + i)")
     print(watch.header(args.runs))
-    print("\n| path | completion tokens | wall s | completion tok/s | mean TTFT ms | mean TPOT ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    where = "front ends" if rc.server.engine_process else "front ends and engine"
+    print(f"\n| path | completion tokens | wall s | completion tok/s | mean TTFT ms | mean TPOT ms | server process "
+          f"CPU us / token ({where}) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, results in runs.items():
         tokens = sorted({r.completion_tokens for r in results})
         print(f"| {name} | {'/'.join(f'{t:,}' for t in tokens)} | {spread([r.wall_s for r in results], '{:.2f}')} | "
               f"{spread([r.tokens_per_s for r in results])} | {spread([mean(r.ttft_s) for r in results])} | "
-              f"{spread([mean(r.tpot_s) for r in results], '{:,.2f}')} |")
+              f"{spread([mean(r.tpot_s) for r in results], '{:,.2f}')} | "
+              f"{spread([1e6 * r.server_cpu_s / r.completion_tokens for r in results], '{:,.0f}')} |")
     relative = [100 * (h.tokens_per_s / g.tokens_per_s - 1) for g, h in zip(remotes, https)]
     print(f"\nHTTP throughput vs gRPC (per round): {spread(relative, '{:+.1f}')} %; outputs identical")
     scraped = {m.group(1): m.group(2) for m in re.finditer(
