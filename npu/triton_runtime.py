@@ -51,13 +51,16 @@ def watch_compiles() -> bool:
         return False
     started: dict[str, float] = {}
 
-    def before(*, key: Any, **_: Any) -> None:      # None: Triton compiles as usual (True would skip it)
-        started[str(key)] = time.perf_counter()
+    # Triton calls its hooks with keywords (key, fn, ...; the set varies by version): read what is there, never raise
+    # (a hook's error would fail the compile, and with it the step)
+    def before(*_: Any, **info: Any) -> None:      # None: Triton compiles as usual (True would skip it)
+        started[str(info.get("key"))] = time.perf_counter()
 
-    def after(*, key: Any, fn: Any, **_: Any) -> None:
+    def after(*_: Any, **info: Any) -> None:
         global COMPILES_AFTER_STARTUP
         COMPILES_AFTER_STARTUP += 1
-        seconds = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        seconds = time.perf_counter() - started.pop(str(info.get("key")), time.perf_counter())
+        fn = info.get("fn")
         log.warning("Triton built a variant of %s after startup (%.2f s, a step waited for it): the startup "
                     "profile's steps did not launch this one (bench/compile_gpu_kernels.py lists them)",
                     getattr(fn, "name", fn), seconds)
