@@ -65,9 +65,18 @@ def started(request):
         runner.free_pools()
 
 
+# A step of a profiled shape peaks where the profile did, give or take allocations this process's history decides
+# (caches earlier tests warmed, or not, before the profile ran): the same 8 x 8-token step once peaked 13.7 KB above
+# the profile in the full suite, and 4.9 KB below it alone. What the bound guards is far larger: the long chunk the
+# old profile missed costs 420 KB more than its spread-out budget (test_the_old_even_profile_...).
+HISTORY_SLACK = 64 << 10
+
+
 def bound(report) -> int:
-    """What a step may peak at: peak_non_kv + scratch, plus the KV pages the pools hold beside the scratch."""
-    return report.plan.devices[0].peak_non_kv_bytes + report.plan.scratch_bytes + report.plan.kv_cache_bytes
+    """What a step may peak at: peak_non_kv + scratch, plus the KV pages the pools hold beside the scratch (and
+    HISTORY_SLACK)."""
+    return (report.plan.devices[0].peak_non_kv_bytes + report.plan.scratch_bytes + report.plan.kv_cache_bytes
+            + HISTORY_SLACK)
 
 
 def step_peak(runner, batch: StepBatch, sample: bool = True) -> int:
