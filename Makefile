@@ -21,7 +21,8 @@ device-check:
 	$(PYTHON) bench/device_check.py
 
 # Every Triton kernel compiled for an H100 / H200 (sm_90) on this machine, no GPU needed: each variant the shipped
-# models launch, its shared memory, registers and spills; fails on a kernel that does not compile or does not fit.
+# models launch, its shared memory, registers and spills; fails on a kernel that does not compile or does not fit,
+# a grid past CUDA's limits, or a variant first built while serving. GPU_KERNELS_ARGS="--arch 80" for an A100.
 gpu-kernels:
 	$(PYTHON) bench/compile_gpu_kernels.py $(GPU_KERNELS_ARGS)
 
