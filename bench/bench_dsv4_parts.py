@@ -3,6 +3,7 @@ profiler on a shared machine: time other jobs take is not counted, and no per-op
 
     python bench/bench_dsv4_parts.py                      # dsv4_tiny, batch 1 / 8 / 32, median of 30 steps
     python bench/bench_dsv4_parts.py --batch-sizes 32 --steps 50
+    python bench/bench_dsv4_parts.py --compare-sinkhorn   # the CPU kernel's Sinkhorn and the torch ops, alternating
 
 Each part is a function of the runner timed inclusively (its ops and Python) by wrapping it for this process
 only; indented parts are inside the one above them. Steps are called as the engine calls them (execute, one
@@ -32,7 +33,6 @@ PARTS = [   # (owner, function name, label); a label's indent says which part it
     (runner_module, "build_plan", "build_plan (step indices)"),
     (runner_module.Attention, "rotations", "RoPE tables"),
     (runner_module, "hc_pre", "hc_pre (hyper-connection mixing)"),
-    (hyper, "sinkhorn", "  sinkhorn"),
     (runner_module.Attention, "__call__", "attention"),
     (runner_module.Attention, "_compress", "  compressors"),
     (runner_module.Attention, "_key_rows", "  key rows (+ CSA indexer top-k)"),
@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=256, help="tokens already cached when a decode step runs")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--compare-sinkhorn", action="store_true",
+                    help="alternate each step between the runner's Sinkhorn normalization and hyper.sinkhorn's torch ops")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -70,6 +72,10 @@ def main() -> None:
     rc = load_runtime_config([f"+model={args.model}", f"max_model_len={args.context + 1}"])
     runner = build_runner(rc.model, torch.device("cpu"))
     runner.load_weights()
+    chosen = runner.sinkhorn                  # the C++ kernel where the CPU kernels build (npu.deepseek_v4.sinkhorn_cpu)
+    normalizations = {"the runner's choice": timed(spent, chosen, "  sinkhorn")}
+    if args.compare_sinkhorn:
+        normalizations["torch ops"] = timed(spent, hyper.sinkhorn, "  sinkhorn")
     load_before = load_avg()
     out = []
     for b in args.batch_sizes:
@@ -80,20 +86,25 @@ def main() -> None:
                           for i in range(b)])
         for _ in range(3):
             runner.execute(step)
-        samples: dict[str, list[float]] = {}
+        samples: dict[str, dict[str, list[float]]] = {name: {} for name in normalizations}
         for _ in range(args.steps):
-            spent.clear()
-            t0 = time.thread_time()
-            runner.execute(step)
-            samples.setdefault("step", []).append(time.thread_time() - t0)
-            for label, s in spent.items():
-                samples.setdefault(label, []).append(s)
+            for name, normalize in normalizations.items():     # steps alternate between them (--compare-sinkhorn)
+                runner.sinkhorn = normalize
+                spent.clear()
+                t0 = time.thread_time()
+                runner.execute(step)
+                samples[name].setdefault("step", []).append(time.thread_time() - t0)
+                for label, s in spent.items():
+                    samples[name].setdefault(label, []).append(s)
         runner.free_pools()
-        mid = {label: statistics.median(s) * 1e3 for label, s in samples.items()}
-        out += ["", f"batch {b}: decode step {mid['step']:.2f} ms CPU (median of {args.steps})", "",
-                "| part | ms CPU | share of the step |", "|---|---:|---:|"]
-        out += [f"| {label.replace('  ', '&nbsp;&nbsp;')} | {mid[label]:.2f} | {mid[label] / mid['step']:.0%} |"
-                for _, _, label in PARTS if label in mid]
+        for name, taken in samples.items():
+            mid = {label: statistics.median(s) * 1e3 for label, s in taken.items()}
+            which = f"; Sinkhorn by {name}" if args.compare_sinkhorn else ""
+            out += ["", f"batch {b}: decode step {mid['step']:.2f} ms CPU (median of {args.steps}){which}", "",
+                    "| part | ms CPU | share of the step |", "|---|---:|---:|"]
+            out += [f"| {label.replace('  ', '&nbsp;&nbsp;')} | {mid[label]:.2f} | {mid[label] / mid['step']:.0%} |"
+                    for label in [*(label for _, _, label in PARTS[:3]), "  sinkhorn",
+                                  *(label for _, _, label in PARTS[3:])] if label in mid]
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
     print(f"load average (1/5/15 min): {load_before} at start, {load_avg()} at end; model {args.model}, decode at "

@@ -1,11 +1,12 @@
 """The project's compiled CPU kernels (npu/kernels/*.cpp): built on the host, cached, loaded with ctypes.
 
-What is in it: paged decode attention (npu.paged_attention_cpu) and the fused elementwise parts of a layer
-(npu.fused_norms). They are plain C++ with OpenMP and no torch headers, so a build takes about 1 s (the
-sources compile side by side) and needs only a C++ compiler, not a torch extension toolchain; tensors are
-passed as data pointers.
+What is in it: paged decode attention (npu.paged_attention_cpu), the fused elementwise parts of a layer
+(npu.fused_norms) and DeepSeek V4's Sinkhorn normalization (npu.deepseek_v4.sinkhorn_cpu). They are plain C++
+with OpenMP and no torch headers, so a build takes about 1 s (the sources compile side by side) and needs only a
+C++ compiler, not a torch extension toolchain; tensors are passed as data pointers.
 
-How it is built: every source with g++ -O3 -march=native -ffast-math -fopenmp, then linked into one shared
+How it is built: every source with g++ -O3 -march=native -ffast-math -fopenmp (EXACT_SOURCES then with
+-fno-fast-math: their results are torch's to the bit), then linked into one shared
 library *without* -ffast-math: GCC before 13 links crtfastmath.o into a -ffast-math shared library, whose
 constructor turns on flush-to-zero for the whole process as it loads (torch's float32 math would change).
 Once per sources, compiler and CPU, into a cache directory (APPLIANCE_KERNEL_CACHE, else
@@ -40,6 +41,7 @@ HEADERS = tuple(sorted(KERNELS.glob("*.h")))     # included by the sources: part
 COMPILE_FLAGS = ("-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
                  "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
+EXACT_SOURCES = ("sinkhorn.cpp",)        # also -fno-fast-math: results to the bit of torch's ops (the file says why)
 SWITCH = "APPLIANCE_CPU_KERNELS"        # "0": torch ops everywhere
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}   # the dtypes every kernel has an entry point for
 
@@ -67,7 +69,7 @@ def library_path(compiler: str) -> Path:
     """Where the build for these sources, this compiler and this CPU lives in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     parts = [s.read_text() for s in SOURCES + HEADERS]
-    parts += [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), _cpu_flags()]
+    parts += [compiler, version, " ".join(COMPILE_FLAGS + LINK_FLAGS), " ".join(EXACT_SOURCES), _cpu_flags()]
     return cache_dir() / f"appliance_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
@@ -106,6 +108,11 @@ def build() -> Path:
         raise RuntimeError(f"cannot build the CPU kernels with {compiler} into {cache_dir()}: {e}") from e
 
 
+def compile_flags(source: Path) -> tuple[str, ...]:
+    """COMPILE_FLAGS, and -fno-fast-math after them for a source whose results must be exactly torch's."""
+    return COMPILE_FLAGS + (("-fno-fast-math",) if source.name in EXACT_SOURCES else ())
+
+
 def _build(compiler: str) -> Path:
     path = library_path(compiler)
     if path.exists():
@@ -113,7 +120,7 @@ def _build(compiler: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         objects = {str(source): os.path.join(work, source.stem + ".o") for source in SOURCES}
-        _run_all({source: [compiler, *COMPILE_FLAGS, "-o", obj, source] for source, obj in objects.items()})
+        _run_all({source: [compiler, *compile_flags(Path(source)), "-o", obj, source] for source, obj in objects.items()})
         linked = os.path.join(work, path.name)
         _run_all({"linking " + ", ".join(s.name for s in SOURCES): [compiler, *LINK_FLAGS, "-o", linked,
                                                                    *objects.values()]})

@@ -56,6 +56,7 @@ from npu.deepseek_v4.moe import (
 from npu.deepseek_v4.mtp import STALE_STEPS, Fed, MtpHistory, catch_up_rows, feed_tokens, flat_starts
 from npu.deepseek_v4.paging import Compression, PoolIO, StepPlan, build_plan, flat_order
 from npu.deepseek_v4.rope import Rotation, layer_ropes
+from npu.deepseek_v4.sinkhorn_cpu import cpu_sinkhorn_for
 from npu.deepseek_v4.sinkhorn_triton import sinkhorn_for
 from npu.grouped_gemm_triton import grouped_gemm_applies, triton_grouped_linear, triton_linear
 from npu.quant import QuantizedWeight
@@ -111,8 +112,9 @@ class DeepseekV4Runner(ModelRunner):
         # dequantized for the step).
         self.row_blocks: dict[str, QuantizedWeight | None] = {}
         # The hyper-connections' Sinkhorn normalization: one Triton launch per hc_pre on a GPU instead of 78
-        # (npu.deepseek_v4.sinkhorn_triton: the same bits), torch's ops elsewhere.
-        self.sinkhorn = sinkhorn_for(self.device, lay.hc_mult)
+        # (npu.deepseek_v4.sinkhorn_triton), one C++ call on a CPU (npu.deepseek_v4.sinkhorn_cpu), both the bits of
+        # torch's ops, which run elsewhere.
+        self.sinkhorn = cpu_sinkhorn_for(self.device, lay.hc_mult) or sinkhorn_for(self.device, lay.hc_mult)
         self.io = PoolIO(model, self.pools)
         # Attention's keys read in place by one Triton kernel on a GPU (npu.deepseek_v4.attention_triton).
         in_place = self.device.type == "cuda" and sparse_attention_applies(self.device, self.dtype, lay.head_dim)
