@@ -94,4 +94,6 @@ if triton is not None:
         mantissa = (bits & 7).to(tl.float32)
         power = ((exponent + 117) << 23).to(tl.float32, bitcast=True)          # 2 ** (exponent - 10), exactly
         magnitude = tl.where(exponent == 0, mantissa * 0.001953125, (8.0 + mantissa) * power)   # subnormal: m 2^-9
-        return tl.where((bits & 128) != 0, -magnitude, magnitude)
+        # the sign as float32's sign bit, not by negation: -0.0 for code 0x80 (Triton 3.6 negates as 0 - x, +0.0)
+        sign = (bits & 128) << 24
+        return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
