@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already cached when a decode step runs")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--compare-sinkhorn", action="store_true",
-                    help="alternate each step between the runner's Sinkhorn normalization and hyper.sinkhorn's torch ops")
+                    help="alternate each step between the runner's Sinkhorn normalization and the torch ops")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -72,7 +72,7 @@ def main() -> None:
     rc = load_runtime_config([f"+model={args.model}", f"max_model_len={args.context + 1}"])
     runner = build_runner(rc.model, torch.device("cpu"))
     runner.load_weights()
-    chosen = runner.sinkhorn                  # the C++ kernel where the CPU kernels build (npu.deepseek_v4.sinkhorn_cpu)
+    chosen = runner.sinkhorn             # the C++ kernel where the CPU kernels build (npu.deepseek_v4.sinkhorn_cpu)
     normalizations = {"the runner's choice": timed(spent, chosen, "  sinkhorn")}
     if args.compare_sinkhorn:
         normalizations["torch ops"] = timed(spent, hyper.sinkhorn, "  sinkhorn")

@@ -120,7 +120,8 @@ def _build(compiler: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         objects = {str(source): os.path.join(work, source.stem + ".o") for source in SOURCES}
-        _run_all({source: [compiler, *compile_flags(Path(source)), "-o", obj, source] for source, obj in objects.items()})
+        _run_all({source: [compiler, *compile_flags(Path(source)), "-o", obj, source]
+                  for source, obj in objects.items()})
         linked = os.path.join(work, path.name)
         _run_all({"linking " + ", ".join(s.name for s in SOURCES): [compiler, *LINK_FLAGS, "-o", linked,
                                                                    *objects.values()]})

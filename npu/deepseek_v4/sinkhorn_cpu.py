@@ -2,9 +2,10 @@
 npu.deepseek_v4.hyper.sinkhorn).
 
 Why: on a CPU the torch version is 2 x iters - 1 sums and divisions of a few kilobytes each, 78 ops per hc_pre with
-the released 20 iterations, each costing its dispatch rather than its arithmetic: about a fifth of a tiny DeepSeek V4
-decode step (the embedded default model; bench/bench_dsv4_parts.py). The kernel adds and divides in hyper.sinkhorn's
-order, compiled without fast math, so tokens and logits do not change (tests/npu/test_sinkhorn_cpu.py).
+the released 20 iterations, each costing its dispatch rather than its arithmetic: 12-18% of a tiny DeepSeek V4 decode
+step (the embedded default model; bench/bench_dsv4_parts.py --compare-sinkhorn). The kernel adds and divides in
+hyper.sinkhorn's order, compiled without fast math, so tokens and logits do not change
+(tests/npu/test_sinkhorn_cpu.py).
 """
 
 from __future__ import annotations

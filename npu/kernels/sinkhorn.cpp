@@ -2,9 +2,9 @@
 //
 // Each hc_pre makes its tokens' hc x hc mixing matrices doubly stochastic with 2 x iters - 1 normalizations:
 // columns first, then rows and columns alternately, each x / (sum + eps). As torch ops that is a sum and a division
-// per normalization on a few kilobytes, 78 ops per hc_pre with the released 20 iterations: about 0.27 ms of a tiny
-// DeepSeek V4 decode step's 13 ms per hc_pre on one AMD EPYC core (bench/bench_dsv4_parts.py), ten of them per step.
-// Here one call does them all.
+// per normalization on a few kilobytes, 78 ops per hc_pre with the released 20 iterations: 0.15-0.27 ms per hc_pre on
+// one AMD EPYC core, ten hc_pre per decode step of the tiny model, 12-18% of its step (bench/bench_dsv4_parts.py
+// --compare-sinkhorn). Here one call does them all (7 us for 8 tokens).
 //
 // The same bits as hyper.sinkhorn: a column's (row's) sum adds its n entries one after the other and eps last, and
 // each division is IEEE float32, rounded to nearest. So this file is compiled without -ffast-math
