@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from npu.cpu_kernels import kernels_for, ptr
+from npu.cpu_kernels import entry, kernels_for, ptr
 
 MAX_N = 16      # the kernel's largest hc (the released hc_mult is 4)
 
@@ -24,8 +24,7 @@ class CpuSinkhorn:
     """hyper.sinkhorn's signature, through the kernel: comb [tokens, n, n] float32 on the CPU, n <= MAX_N."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.fn = lib.sinkhorn_f32
-        self.fn.restype = None
+        self.fn = entry(lib, "sinkhorn", torch.float32)
 
     def __call__(self, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         comb = comb.contiguous()
