@@ -106,11 +106,11 @@ def main() -> None:
     def timed_projection(self: linear.Projection, x: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
         out = project(self, x)
-        held = self.tensors()[0]
-        name = "projection {} x {}".format(*held.shape)
+        out_features, in_features = self.shape
+        name = f"projection {out_features} x {in_features}"
         times[name] += time.perf_counter() - t
         calls[name] += 1
-        flops[name] += 2 * x.shape[0] * held.shape[0] * held.shape[1]
+        flops[name] += 2 * x.shape[0] * out_features * in_features
         weight_bytes[name] = sum(w.numel() * w.element_size() for w in self.tensors())
         return out
 

@@ -23,6 +23,12 @@
     F.linear, which made it slower than oneDNN overall (decode at batch 8: 277-314 against 503 tok/s).
   oneDNN's packed copy is the weight's size, and only it is kept. `mkl` keeps the plain weight and adds MKL's packed
   copy where it is at most PACKED_MAX_GROWTH times the weight's size, used at 2-256 rows; `torch` is F.linear.
+- bfloat16 on a CPU with AVX512-BF16 and no AMX (an AMD EPYC Zen 4, an Intel Cooper Lake): the project's own
+  kernel instead (npu.gemm_cpu, npu/kernels/gemm.cpp; cpu_bf16_gemm, APPLIANCE_CPU_BF16_GEMM=kernel|onednn|torch
+  overrides). oneDNN read the weights of a decode step from DRAM at about half the memory's rate: every
+  projection of a 12 x 1024 model in turn, 2 threads, AMD EPYC, kernel against oneDNN: 1.54x at 1 row, 1.39x at
+  8, 1.22x at 32, 1.10x at 64 and 0.97-1.0x from 512 rows. Its output rows depend on their input rows alone
+  (oneDNN's change with the row count above 32). With AMX oneDNN's tile GEMM stays: several times the vector rate.
 - anywhere else (accelerators, other dtypes): F.linear.
 Packed copies are counted by tensors(), so the startup profile sees their memory.
 
@@ -51,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.core.errors import EnvironmentSettingError
+from npu.gemm_cpu import PackedBf16, amx_present, kernel_library
 
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
@@ -61,6 +68,8 @@ PACKED_MAX_GROWTH = 1.5
 ONEDNN_PACK_ROWS = 64                  # the batch size oneDNN lays the weight out for (any row count runs)
 FP32_GEMM_SWITCH = "APPLIANCE_CPU_FP32_GEMM"
 Fp32Gemm = Literal["mkl", "onednn", "torch"]
+BF16_GEMM_SWITCH = "APPLIANCE_CPU_BF16_GEMM"
+Bf16Gemm = Literal["kernel", "onednn", "torch"]
 
 
 EXACT_ROWS = 32                        # row counts up to this run as they are; above, 16 buckets per doubling
@@ -91,6 +100,35 @@ def cpu_fp32_gemm() -> Fp32Gemm:
     return chosen  # type: ignore[return-value]
 
 
+def _onednn_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def cpu_bf16_gemm() -> Bf16Gemm:
+    """The bfloat16 CPU GEMM this process takes: $APPLIANCE_CPU_BF16_GEMM when set, else the project's kernel on a
+    CPU with AVX512-BF16 and no AMX (module docstring), else oneDNN's packed GEMM where it runs bfloat16, else torch
+    (F.linear). A choice this CPU or build cannot run falls back the same way (`kernel` needs AVX512-BF16 and the
+    kernel library: APPLIANCE_CPU_KERNELS=0 turns it off)."""
+    chosen = os.environ.get(BF16_GEMM_SWITCH)
+    if chosen not in (None, "kernel", "onednn", "torch"):
+        raise EnvironmentSettingError(f"{BF16_GEMM_SWITCH}={chosen!r}: expected kernel, onednn or torch (unset it "
+                                      f"for the measured default)")
+    if chosen in (None, "kernel"):
+        lib = kernel_library(torch.device("cpu"))
+        if lib is not None and (chosen == "kernel" or not amx_present(lib)):
+            return "kernel"
+        chosen = None
+    if chosen in (None, "onednn"):
+        return "onednn" if _onednn_bf16() else "torch"
+    return "torch"
+
+
+def _cpu_bf16(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+
+
 def _cpu_fp32(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
@@ -102,23 +140,27 @@ def _mkl_packs(weight: torch.Tensor) -> bool:
 def _onednn_packs(weight: torch.Tensor) -> bool:
     if _cpu_fp32(weight):
         return cpu_fp32_gemm() == "onednn"
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _cpu_bf16(weight) and cpu_bf16_gemm() == "onednn"
 
 
 @dataclass(frozen=True)
 class Projection:
     """A weight [out, in] as the fastest path for its device and dtype wants it, made once when weights are
-    installed: only oneDNN's packed copy (CPU bfloat16 and float32; then `weight` is None), or the plain weight
-    (F.linear) with MKL's packed copy where APPLIANCE_CPU_FP32_GEMM=mkl chose it, or the plain weight alone."""
+    installed: only oneDNN's packed copy (CPU bfloat16 and float32; then `weight` is None), or only the project's
+    kernel's packed copy (CPU bfloat16 where cpu_bf16_gemm chose it), or the plain weight (F.linear) with MKL's
+    packed copy where APPLIANCE_CPU_FP32_GEMM=mkl chose it, or the plain weight alone."""
 
     weight: torch.Tensor | None
     mkl_packed: torch.Tensor | None = None
     onednn_packed: torch.Tensor | None = None
+    kernel_packed: PackedBf16 | None = None
 
     @staticmethod
     def of(weight: torch.Tensor) -> Projection:
+        if _cpu_bf16(weight) and cpu_bf16_gemm() == "kernel":
+            lib = kernel_library(weight.device)
+            assert lib is not None, "cpu_bf16_gemm chose the kernel, so its library loaded"
+            return Projection(None, kernel_packed=PackedBf16.of(weight, lib))
         if _onednn_packs(weight):
             return Projection(None, onednn_packed=torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS))
         if _mkl_packs(weight):
@@ -129,10 +171,21 @@ class Projection:
 
     def tensors(self) -> list[torch.Tensor]:
         """What it holds in memory (packed copies included), for the startup profile's accounting."""
-        return [t for t in (self.weight, self.mkl_packed, self.onednn_packed) if t is not None]
+        kernel = None if self.kernel_packed is None else self.kernel_packed.packed
+        return [t for t in (self.weight, self.mkl_packed, self.onednn_packed, kernel) if t is not None]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's [out_features, in_features], whichever copy holds it."""
+        if self.kernel_packed is not None:
+            return self.kernel_packed.out_features, self.kernel_packed.in_features
+        held = self.tensors()[0]
+        return held.shape[0], held.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out], contiguous."""
+        if self.kernel_packed is not None:
+            return self.kernel_packed(x)
         if self.onednn_packed is not None:
             rows = x.shape[0]
             bucket = onednn_rows(rows)

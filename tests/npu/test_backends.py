@@ -121,11 +121,13 @@ def test_tracker_adopts_a_packed_weight_it_cannot_see_the_storage_of(dtype):
 
     proj = Projection.of(torch.randn(16384, 512, dtype=dtype))  # large enough to be packed (npu.linear)
     packed = proj.onednn_packed if proj.onednn_packed is not None else proj.mkl_packed   # fp32: by the CPU's maker
+    if proj.kernel_packed is not None:                          # bf16 on AVX512-BF16 without AMX: the own kernel's
+        packed = proj.kernel_packed.packed
     # No oneDNN bf16 on this CPU (AVX2 only): the bf16 weight stays plain, and the tracker counts just it.
     assert packed is not None or (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     with AllocationTracker() as t:
         t.adopt(proj.tensors())
-        proj(torch.randn(8, 512, dtype=dtype))   # an op reading the opaque packed tensor: adopted, not an error
+        proj(torch.randn(8, 512, dtype=dtype))   # an op reading the packed tensor: adopted, not an error
     plain = 0 if proj.weight is None else proj.weight.numel() * proj.weight.element_size()
     assert t.resident_bytes == plain + (0 if packed is None else packed.numel() * packed.element_size()) > 0
 

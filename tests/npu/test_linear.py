@@ -4,7 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu.linear import EXACT_ROWS, FP32_GEMM_SWITCH, ONEDNN_PACK_ROWS, Projection, cpu_fp32_gemm, onednn_rows
+from npu.linear import (
+    BF16_GEMM_SWITCH,
+    EXACT_ROWS,
+    FP32_GEMM_SWITCH,
+    ONEDNN_PACK_ROWS,
+    Projection,
+    cpu_bf16_gemm,
+    cpu_fp32_gemm,
+    onednn_rows,
+)
 
 ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
 
@@ -22,11 +31,27 @@ def fp32_gemm(monkeypatch):
     cpu_fp32_gemm.cache_clear()
 
 
-@pytest.mark.parametrize("gemm", ["mkl", "onednn", "torch"])
+@pytest.fixture
+def bf16_gemm(monkeypatch):
+    """Force the bfloat16 path by its switch (the kernel where this CPU has AVX512-BF16, oneDNN, torch)."""
+    def force(path: str | None) -> None:
+        if path is None:
+            monkeypatch.delenv(BF16_GEMM_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(BF16_GEMM_SWITCH, path)
+        cpu_bf16_gemm.cache_clear()
+    yield force
+    cpu_bf16_gemm.cache_clear()
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn", "torch", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(16384, 512), (96, 64)])      # packed by MKL in fp32 / left plain
-def test_projection_equals_x_times_w_transposed(dtype, shape, gemm, fp32_gemm):
-    fp32_gemm(gemm)
+def test_projection_equals_x_times_w_transposed(dtype, shape, gemm, fp32_gemm, bf16_gemm):
+    if gemm == "kernel" and dtype == torch.float32:
+        pytest.skip("the project's GEMM kernel is bfloat16 only")
+    fp32_gemm(gemm if dtype == torch.float32 else None)
+    bf16_gemm(gemm if dtype == torch.bfloat16 and gemm != "mkl" else None)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g).to(dtype)
     proj = Projection.of(w)
@@ -71,12 +96,19 @@ def test_float32_gemm_switch_refuses_a_typo(fp32_gemm):
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def test_bfloat16_weight_is_held_once_on_the_path_this_cpu_takes():
-    """With oneDNN bf16 (avx512bw/vl/dq or avx_ne_convert): only the packed copy. Without it (an AVX2 host,
-    where torch refuses the reorder): only the plain weight, and the projection is F.linear bit for bit."""
+def test_bfloat16_weight_is_held_once_on_the_path_this_cpu_takes(bf16_gemm):
+    """With the project's kernel (AVX512-BF16 without AMX) or oneDNN bf16 (avx512bw/vl/dq or avx_ne_convert): only
+    the packed copy. Without either (an AVX2 host, where torch refuses the reorder): only the plain weight, and the
+    projection is F.linear bit for bit."""
+    bf16_gemm(None)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(256, 128, generator=g).to(torch.bfloat16)
     proj = Projection.of(w)
+    if cpu_bf16_gemm() == "kernel":
+        assert proj.weight is None and proj.onednn_packed is None and proj.kernel_packed is not None
+        assert proj.tensors() == [proj.kernel_packed.packed] and proj.kernel_packed.packed.numel() == w.numel()
+        assert proj.shape == (256, 128)
+        return
     if ONEDNN_BF16:
         assert proj.weight is None and proj.tensors() == [proj.onednn_packed]
         return
@@ -104,9 +136,10 @@ class EmulatedOneDnn:
         return x @ packed
 
 
-def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch, fp32_gemm):
+def test_packed_bfloat16_path_with_onednn_emulated(monkeypatch, fp32_gemm, bf16_gemm):
     """The packed path where oneDNN bf16 cannot run (this AVX2 host): packed once at ONEDNN_PACK_ROWS, the
     plain weight dropped, every call routed to the packed copy with no bias and no fused activation."""
+    bf16_gemm("onednn")
     onednn = EmulatedOneDnn()
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", onednn.reorder)
@@ -137,10 +170,11 @@ def test_row_buckets_bound_the_row_counts_onednn_sees_and_the_extra_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padded_rows_equal_an_exact_call_at_the_bucket(dtype, fp32_gemm):
+def test_padded_rows_equal_an_exact_call_at_the_bucket(dtype, fp32_gemm, bf16_gemm):
     """A call between buckets keeps the rows a call at its bucket computes, bit for bit (the extra rows are zeros
     and dropped), so a row's value depends on the bucket, as it would on the row count."""
     fp32_gemm("onednn")
+    bf16_gemm("onednn")
     if dtype == torch.bfloat16 and not ONEDNN_BF16:
         pytest.skip("oneDNN bf16 does not run on this CPU (the emulated test covers the path)")
     g = torch.Generator().manual_seed(3)

@@ -1,0 +1,123 @@
+"""npu/kernels/gemm.cpp through npu.gemm_cpu: x W^T for any shape, each row a function of its own input row, nothing
+written outside the output, and chosen where the CPU has AVX512-BF16 and no AMX."""
+
+import ctypes
+
+import pytest
+import torch
+
+from npu.cpu_kernels import SWITCH, ptr
+from npu.gemm_cpu import PackedBf16, kernel_library
+from npu.linear import BF16_GEMM_SWITCH, Projection, cpu_bf16_gemm
+
+LIB = kernel_library(torch.device("cpu"))
+needs_kernel = pytest.mark.skipif(LIB is None, reason="the kernel needs a CPU with AVX512-BF16 and the kernel build")
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+def within_one_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is x W^T rounded once to bfloat16, up to the float32 sum's own error (k terms)."""
+    exact = x.double() @ w.double().t()
+    sum_error = x.shape[1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().t())
+    gap = (y.double() - exact).abs()
+    assert bool((gap <= 2.0 ** -8 * exact.abs() + sum_error).all()), float((gap - 2.0 ** -8 * exact.abs()).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (17, 3), (48, 64), (40, 1), (1000, 777), (1536, 1024)])
+def test_kernel_computes_x_times_w_transposed(n, k):
+    """Every row-group size (1-14 rows and their tails), a last block of 1-16 columns, odd and even k."""
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = PackedBf16.of(w, LIB)
+    assert packed.packed.numel() == -(-n // 16) * 16 * (k + k % 2)
+    for rows in (1, 2, 13, 14, 15, 28, 29, 100):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        y = packed(x)
+        assert y.shape == (rows, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+        within_one_rounding(y, x, w)
+    assert packed(torch.empty(0, k, dtype=torch.bfloat16)).shape == (0, n)
+
+
+@needs_kernel
+def test_each_row_depends_on_its_own_input_alone():
+    """The bits of a row do not change with the batch it is in, its place there or the thread count (a request's
+    greedy tokens do not move with what it is batched with)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 300, generator=g).to(torch.bfloat16)
+    packed = PackedBf16.of(w, LIB)
+    x = torch.randn(37, 300, generator=g).to(torch.bfloat16)
+    full = packed(x)
+    for i in range(37):
+        assert torch.equal(packed(x[i:i + 1]), full[i:i + 1])
+    perm = torch.randperm(37, generator=g)
+    assert torch.equal(packed(x[perm]), full[perm])
+    assert torch.equal(packed(x[5:30]), full[5:30])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(packed(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_reads_rows_at_their_stride_and_writes_nothing_outside_the_output():
+    """x rows a stride apart (a view into a wider tensor, NaN in the columns between); the output's last block has
+    one column, and the values after the output keep what they held."""
+    g = torch.Generator().manual_seed(9)
+    n, k, rows = 33, 65, 17
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = PackedBf16.of(w, LIB)
+    wide = torch.full((rows, k + 7), float("nan"), dtype=torch.bfloat16)
+    wide[:, :k] = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    x = wide[:, :k]
+    guard = 64
+    out = torch.full((rows * n + guard,), 7.0, dtype=torch.bfloat16)
+    LIB.gemm_bf16(ptr(x), ctypes.c_int64(rows), ctypes.c_int64(k), ctypes.c_int64(x.stride(0)), ptr(packed.packed),
+                  ctypes.c_int64(n), ptr(out), ctypes.c_int(torch.get_num_threads()))
+    y = out[:rows * n].view(rows, n)
+    assert torch.isfinite(y).all() and bool((out[rows * n:] == 7.0).all())
+    assert torch.equal(y, packed(x.contiguous()))
+    within_one_rounding(y, x, w)
+
+
+@pytest.fixture
+def bf16_gemm(monkeypatch):
+    def force(path: str | None, kernels: str | None = None) -> None:
+        for name, value in ((BF16_GEMM_SWITCH, path), (SWITCH, kernels)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        cpu_bf16_gemm.cache_clear()
+    yield force
+    cpu_bf16_gemm.cache_clear()
+
+
+def test_the_kernel_is_the_default_where_the_cpu_has_avx512_bf16_and_no_amx(bf16_gemm):
+    bf16_gemm(None)
+    flags = cpu_flags()
+    own = "avx512_bf16" in flags and "amx_bf16" not in flags
+    assert (cpu_bf16_gemm() == "kernel") == own
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    assert (Projection.of(w).kernel_packed is not None) == own
+    bf16_gemm(None, kernels="0")                       # the kernels off: never the kernel
+    assert cpu_bf16_gemm() != "kernel" and Projection.of(w).kernel_packed is None
+
+
+def test_the_switch_chooses_and_refuses_a_typo(bf16_gemm):
+    bf16_gemm("torch")
+    assert cpu_bf16_gemm() == "torch"
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    assert Projection.of(w).tensors() == [w]
+    bf16_gemm("kernel")                                # on an AMX CPU too, where it is not the default
+    assert (cpu_bf16_gemm() == "kernel") == ("avx512_bf16" in cpu_flags())
+    bf16_gemm("kernal")
+    with pytest.raises(ValueError, match="APPLIANCE_CPU_BF16_GEMM='kernal': expected kernel, onednn or torch"):
+        cpu_bf16_gemm()
