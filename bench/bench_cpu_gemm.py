@@ -1,6 +1,6 @@
 """The CPU GEMM paths npu/linear.py chooses between, side by side on this CPU: y = x W^T per projection shape and row
-count, for float32 (F.linear, MKL's packed GEMM, oneDNN's packed GEMM) and bfloat16 (F.linear, oneDNN packed, and
-the project's kernel, npu/kernels/gemm.cpp, where the CPU has AVX512-BF16).
+count, for float32 (F.linear, MKL's packed GEMM, oneDNN's packed GEMM) and bfloat16 (F.linear, oneDNN packed), and
+the project's kernel (npu/kernels/gemm.cpp) where the CPU has AVX-512 (bfloat16: AVX512-BF16).
 
     python bench/bench_cpu_gemm.py                                   # the 6 x 768 benchmark model's projections
     python bench/bench_cpu_gemm.py --dtype float32 --rows 1,8,64 --threads 1 --shapes 4096x768,32000x768
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import cpu_and_load  # noqa: E402 (bench/: the script directory)
 
-from npu.gemm_cpu import PackedBf16, kernel_library  # noqa: E402
+from npu.gemm_cpu import PackedWeight, kernel_library  # noqa: E402
 from npu.linear import MKL_PACK_ROWS, ONEDNN_PACK_ROWS  # noqa: E402 (npu.linear's packing hints)
 
 
@@ -56,9 +56,9 @@ def paths(weight: torch.Tensor) -> dict:
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
         out["oneDNN packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    lib = kernel_library(weight.device)
-    if weight.dtype == torch.bfloat16 and lib is not None:
-        out["kernel"] = PackedBf16.of(weight, lib)
+    lib = kernel_library(weight.device, weight.dtype)
+    if lib is not None:
+        out["kernel"] = PackedWeight.of(weight, lib)
     return out
 
 

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.core.errors import EnvironmentSettingError
-from npu.gemm_cpu import PackedBf16, amx_present, kernel_library
+from npu.gemm_cpu import PackedWeight, amx_present, kernel_library
 
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
@@ -67,7 +67,7 @@ MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for
 PACKED_MAX_GROWTH = 1.5
 ONEDNN_PACK_ROWS = 64                  # the batch size oneDNN lays the weight out for (any row count runs)
 FP32_GEMM_SWITCH = "APPLIANCE_CPU_FP32_GEMM"
-Fp32Gemm = Literal["mkl", "onednn", "torch"]
+Fp32Gemm = Literal["mkl", "onednn", "torch", "kernel"]
 BF16_GEMM_SWITCH = "APPLIANCE_CPU_BF16_GEMM"
 Bf16Gemm = Literal["kernel", "onednn", "torch"]
 
@@ -89,9 +89,13 @@ def cpu_fp32_gemm() -> Fp32Gemm:
     AMD, and on Intel within 10-40% of MKL for about a third of MKL's memory; module docstring), falling back to
     torch (F.linear) where the library is not in this torch build."""
     chosen = os.environ.get(FP32_GEMM_SWITCH) or "onednn"
-    if chosen not in ("mkl", "onednn", "torch"):
-        raise EnvironmentSettingError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn or torch (unset it for "
-                                      f"the measured default)")
+    if chosen not in ("mkl", "onednn", "torch", "kernel"):
+        raise EnvironmentSettingError(f"{FP32_GEMM_SWITCH}={chosen!r}: expected mkl, onednn, torch or kernel (unset "
+                                      f"it for the measured default)")
+    if chosen == "kernel":
+        if kernel_library(torch.device("cpu"), torch.float32) is not None:
+            return "kernel"
+        chosen = "onednn"
     if chosen == "mkl" and not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
         return "torch"
     if chosen == "onednn" and not (torch.backends.mkldnn.is_available()
@@ -153,14 +157,14 @@ class Projection:
     weight: torch.Tensor | None
     mkl_packed: torch.Tensor | None = None
     onednn_packed: torch.Tensor | None = None
-    kernel_packed: PackedBf16 | None = None
+    kernel_packed: PackedWeight | None = None
 
     @staticmethod
     def of(weight: torch.Tensor) -> Projection:
-        if _cpu_bf16(weight) and cpu_bf16_gemm() == "kernel":
-            lib = kernel_library(weight.device)
-            assert lib is not None, "cpu_bf16_gemm chose the kernel, so its library loaded"
-            return Projection(None, kernel_packed=PackedBf16.of(weight, lib))
+        if (_cpu_bf16(weight) and cpu_bf16_gemm() == "kernel") or (_cpu_fp32(weight) and cpu_fp32_gemm() == "kernel"):
+            lib = kernel_library(weight.device, weight.dtype)
+            assert lib is not None, "the kernel was chosen, so its library loaded"
+            return Projection(None, kernel_packed=PackedWeight.of(weight, lib))
         if _onednn_packs(weight):
             return Projection(None, onednn_packed=torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS))
         if _mkl_packs(weight):

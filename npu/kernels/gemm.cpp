@@ -23,74 +23,123 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include <omp.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-#if defined(__AVX512BF16__)
+// The packed layout, per dtype: a step covers kDims[T] dimensions (bfloat16 a pair, float32 one); a block's step is
+// one 64-byte line of 16 columns.
+template <typename T>
+constexpr int64_t kDims = std::is_same_v<T, float> ? 1 : 2;
+
+template <typename T>
+void pack(const T* w, int64_t n, int64_t k, T* packed, int threads) {
+    constexpr int64_t dims = kDims<T>;
+    const int64_t blocks = (n + 15) / 16, steps = (k + dims - 1) / dims;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t p = 0; p < steps; ++p)
+            for (int64_t c = 0; c < 16; ++c)
+                for (int64_t e = 0; e < dims; ++e) {
+                    const int64_t col = b * 16 + c, dim = dims * p + e;
+                    packed[((b * steps + p) * 16 + c) * dims + e] = col < n && dim < k ? w[col * k + dim] : T(0);
+                }
+}
+
+#if defined(__AVX512F__)
 constexpr int64_t kBlock = 16;          // output columns per block (one float32 vector)
 constexpr int64_t kPanel = 2;           // blocks per panel
 constexpr int64_t kRows = 14;           // rows per group: kPanel x kRows accumulators, of the 32 vector registers
-constexpr int64_t kAhead = 16;          // pairs ahead that a block's own lines are requested (1 KB)
+constexpr int64_t kChunkGroups = 8;     // row groups whose x is staged at once (112 rows: 224 KB at k = 1,024)
+constexpr int64_t kAhead = 16;          // steps ahead that a block's own lines are requested (1 KB)
 constexpr int64_t kGrain = 1 << 16;     // multiply-adds under which one thread runs it (waking one costs more)
 
-inline uint32_t pair_at(const uint16_t* row, int64_t pair) {
-    uint32_t v;
-    std::memcpy(&v, row + 2 * pair, sizeof v);
-    return v;
+// What one row gives a step: float32 one value, bfloat16 a pair of dimensions as one 32-bit word.
+template <typename T>
+using Word = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;
+
+// A group's rows as words by step, xt[p * kRows + i], so a step's broadcasts come from one line at fixed offsets
+// (read from the rows themselves, the 14 row pointers did not fit the registers: a reload per broadcast).
+template <typename T>
+void stage_rows(const T* x, int64_t x_stride, int64_t r, int64_t k, Word<T>* xt) {
+    for (int64_t i = 0; i < r; ++i) {
+        const T* row = x + i * x_stride;
+        if constexpr (std::is_same_v<T, float>) {
+            for (int64_t p = 0; p < k; ++p) xt[p * kRows + i] = row[p];
+        } else {
+            for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&xt[p * kRows + i], row + 2 * p, sizeof(uint32_t));
+            if (k % 2) xt[(k / 2) * kRows + i] = row[k - 1];      // an odd k: the last pair's other half zero
+        }
+    }
 }
 
-// Rows [0, R) of x times the panel's `nb` blocks (NB = nb), into out (float32 sums rounded to bfloat16). `pairs`
-// full dimension pairs, then the odd last dimension when `odd`; `next` / `next_lines`: the lines of the next panel
-// this row group requests into L2, spread over its steps.
-template <int R, int NB>
-void rows_times_panel(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t block_stride,
-                      int64_t pairs, bool odd, uint16_t* out, int64_t out_stride, int64_t last_cols,
-                      const char* next, int64_t next_lines) {
+// acc += a step's broadcast word times a block's line w.
+template <typename T>
+inline __m512 step_madd(__m512 acc, Word<T> word, const T* w) {
+    if constexpr (std::is_same_v<T, float>) {
+        return _mm512_fmadd_ps(_mm512_set1_ps(word), _mm512_loadu_ps(w), acc);
+    } else {
+#if defined(__AVX512BF16__)
+        return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(word))),
+                                reinterpret_cast<__m512bh>(_mm512_loadu_si512(w)));
+#else
+        return acc;
+#endif
+    }
+}
+
+template <typename T>
+inline void store16(T* dst, __m512 v, int64_t cols) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    if constexpr (std::is_same_v<T, float>) {
+        if (cols < kBlock) _mm512_mask_storeu_ps(dst, mask, v);
+        else _mm512_storeu_ps(dst, v);
+    } else {
+#if defined(__AVX512BF16__)
+        const __m256i y = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+        if (cols < kBlock) _mm256_mask_storeu_epi16(dst, mask, y);
+        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), y);
+#endif
+    }
+}
+
+// A group's R staged rows times the panel's NB blocks, into out; `next` / `next_lines`: the lines of the next
+// panel this group requests into L2, at most two per step.
+template <typename T, int R, int NB>
+void rows_times_panel(const Word<T>* xt, const T* panel, int64_t block_stride, int64_t steps, T* out,
+                      int64_t out_stride, int64_t last_cols, const char* next, int64_t next_lines) {
+    constexpr int64_t line = 64 / sizeof(T);
     __m512 acc[R][NB];
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-    const uint16_t* row[R];
-    for (int i = 0; i < R; ++i) row[i] = x + i * x_stride;
-    const int64_t steps = pairs + (odd ? 1 : 0);
+    const T* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = panel + j * block_stride;
     int64_t requested = 0;
-    for (int64_t p = 0; p < steps; ++p) {
-        for (; requested * steps < next_lines * (p + 1); ++requested)
+    for (int64_t p = 0; p < steps; ++p, xt += kRows) {
+        for (int l = 0; l < 2 && requested < next_lines; ++l, ++requested)
             _mm_prefetch(next + requested * 64, _MM_HINT_T1);
-        __m512bh w[NB];
-        for (int j = 0; j < NB; ++j) {
-            const uint16_t* line = panel + j * block_stride + p * 2 * kBlock;
-            _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * 2 * kBlock), _MM_HINT_T0);
-            w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(line));
-        }
-        for (int i = 0; i < R; ++i) {
-            const uint32_t xp = p < pairs ? pair_at(row[i], p) : static_cast<uint32_t>(row[i][2 * p]);
-            const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp)));
-            for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, w[j]);
-        }
+        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + kAhead * line), _MM_HINT_T0);
+        for (int i = 0; i < R; ++i)
+            for (int j = 0; j < NB; ++j) acc[i][j] = step_madd<T>(acc[i][j], xt[i], w[j]);
+        for (int j = 0; j < NB; ++j) w[j] += line;
     }
-    const __mmask16 tail = static_cast<__mmask16>((1u << last_cols) - 1);
     for (int i = 0; i < R; ++i)
-        for (int j = 0; j < NB; ++j) {
-            const __m256i y = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[i][j]));
-            uint16_t* dst = out + i * out_stride + j * kBlock;
-            if (j == NB - 1 && last_cols < kBlock) _mm256_mask_storeu_epi16(dst, tail, y);
-            else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), y);
-        }
+        for (int j = 0; j < NB; ++j)
+            store16(out + i * out_stride + j * kBlock, acc[i][j], j == NB - 1 ? last_cols : kBlock);
 }
 
-template <int NB>
-void group_times_panel(int64_t r, const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t block_stride,
-                       int64_t pairs, bool odd, uint16_t* out, int64_t out_stride, int64_t last_cols,
-                       const char* next, int64_t next_lines) {
-#define APPLIANCE_GEMM_ROWS(n)                                                                                  \
-    case n:                                                                                                     \
-        rows_times_panel<n, NB>(x, x_stride, panel, block_stride, pairs, odd, out, out_stride, last_cols, next, \
-                                next_lines);                                                                    \
+template <typename T, int NB>
+void group_times_panel(int64_t r, const Word<T>* xt, const T* panel, int64_t block_stride, int64_t steps, T* out,
+                       int64_t out_stride, int64_t last_cols, const char* next, int64_t next_lines) {
+#define APPLIANCE_GEMM_ROWS(n)                                                                                     \
+    case n:                                                                                                        \
+        rows_times_panel<T, n, NB>(xt, panel, block_stride, steps, out, out_stride, last_cols, next, next_lines); \
         break;
     switch (r) {
         APPLIANCE_GEMM_ROWS(14) APPLIANCE_GEMM_ROWS(13) APPLIANCE_GEMM_ROWS(12) APPLIANCE_GEMM_ROWS(11)
@@ -100,14 +149,69 @@ void group_times_panel(int64_t r, const uint16_t* x, int64_t x_stride, const uin
     }
 #undef APPLIANCE_GEMM_ROWS
 }
+
+template <typename T>
+void gemm(const T* x, int64_t rows, int64_t k, int64_t x_stride, const T* packed, int64_t n, T* out, int threads) {
+    constexpr int64_t dims = kDims<T>;
+    const int64_t blocks = (n + 15) / 16, steps = (k + dims - 1) / dims;
+    const int64_t block_stride = steps * 64 / static_cast<int64_t>(sizeof(T));
+    const int64_t panels = (blocks + kPanel - 1) / kPanel;
+    if (rows * n * k < kGrain) threads = 1;
+    threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t first = panels * t / nt, end = panels * (t + 1) / nt;
+        thread_local std::vector<Word<T>> staged;
+        staged.resize(static_cast<size_t>(kChunkGroups * steps * kRows));
+        // rows in chunks of kChunkGroups groups: a chunk's x staged once (each thread stages its own copy), then
+        // every panel of the thread times each of its groups
+        for (int64_t c0 = 0; c0 < rows; c0 += kChunkGroups * kRows) {
+            const int64_t groups = std::min(kChunkGroups, (rows - c0 + kRows - 1) / kRows);
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t r0 = c0 + g * kRows;
+                stage_rows(x + r0 * x_stride, x_stride, std::min(kRows, rows - r0), k,
+                           staged.data() + g * steps * kRows);
+            }
+            for (int64_t panel = first; panel < end; ++panel) {
+                const int64_t b0 = panel * kPanel, nb = std::min(kPanel, blocks - b0);
+                const int64_t last_cols = std::min<int64_t>(kBlock, n - (b0 + nb - 1) * kBlock);
+                const T* w = packed + b0 * block_stride;
+                const int64_t next_blocks = panel + 1 < end ? std::min(kPanel, blocks - b0 - kPanel) : 0;
+                const char* next = reinterpret_cast<const char*>(packed + (b0 + kPanel) * block_stride);
+                const int64_t next_lines = next_blocks * steps;
+                for (int64_t g = 0; g < groups; ++g) {
+                    const int64_t r0 = c0 + g * kRows, r = std::min(kRows, rows - r0);
+                    const int64_t l0 = next_lines * g / groups, l1 = next_lines * (g + 1) / groups;
+                    const Word<T>* xt = staged.data() + g * steps * kRows;
+                    T* og = out + r0 * n + b0 * kBlock;
+                    if (nb == kPanel)
+                        group_times_panel<T, 2>(r, xt, w, block_stride, steps, og, n, last_cols, next + l0 * 64,
+                                                l1 - l0);
+                    else
+                        group_times_panel<T, 1>(r, xt, w, block_stride, steps, og, n, last_cols, next + l0 * 64,
+                                                l1 - l0);
+                }
+            }
+        }
+    }
+}
 #endif
 
 }  // namespace
 
 extern "C" {
 
-// 1: this build has the kernel (compiled for a CPU with AVX512-BF16).
-int gemm_bf16_available() {
+// 1: this build has the kernel for the dtype (float32: AVX-512; bfloat16: AVX512-BF16).
+int gemm_available_f32() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int gemm_available_bf16() {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -115,56 +219,30 @@ int gemm_bf16_available() {
 #endif
 }
 
-// packed (gemm_bf16_packed_size(n, k) values) = W [n, k] in the layout above.
-int64_t gemm_bf16_packed_size(int64_t n, int64_t k) { return (n + 15) / 16 * ((k + 1) / 2) * 32; }
+// The packed size in values of W [n, k] in the layout above.
+int64_t gemm_packed_size_f32(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * k; }
+int64_t gemm_packed_size_bf16(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * ((k + 1) / 2 * 2); }
+
+void gemm_pack_f32(const float* w, int64_t n, int64_t k, float* packed, int threads) {
+    pack(w, n, k, packed, threads);
+}
 
 void gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed, int threads) {
-    const int64_t blocks = (n + 15) / 16, pairs = (k + 1) / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t p = 0; p < pairs; ++p)
-            for (int64_t c = 0; c < 16; ++c)
-                for (int64_t e = 0; e < 2; ++e) {
-                    const int64_t col = b * 16 + c, dim = 2 * p + e;
-                    packed[((b * pairs + p) * 16 + c) * 2 + e] = col < n && dim < k ? w[col * k + dim] : 0;
-                }
+    pack(w, n, k, packed, threads);
 }
 
 // out [rows, n] = x [rows, k] (rows x_stride values apart) times the packed W^T, on `threads` OpenMP threads.
+void gemm_f32(const float* x, int64_t rows, int64_t k, int64_t x_stride, const float* packed, int64_t n, float* out,
+              int threads) {
+#if defined(__AVX512F__)
+    gemm(x, rows, k, x_stride, packed, n, out, threads);
+#endif
+}
+
 void gemm_bf16(const uint16_t* x, int64_t rows, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                uint16_t* out, int threads) {
 #if defined(__AVX512BF16__)
-    const int64_t blocks = (n + 15) / 16, pairs = k / 2, block_stride = (k + 1) / 2 * 2 * kBlock;
-    const int64_t panels = (blocks + kPanel - 1) / kPanel;
-    const bool odd = k % 2 == 1;
-    if (rows * n * k < kGrain) threads = 1;
-    threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = panels * t / nt, end = panels * (t + 1) / nt;
-        for (int64_t panel = first; panel < end; ++panel) {
-            const int64_t b0 = panel * kPanel, nb = std::min(kPanel, blocks - b0);
-            const int64_t last_cols = std::min<int64_t>(kBlock, n - (b0 + nb - 1) * kBlock);
-            const uint16_t* w = packed + b0 * block_stride;
-            const int64_t next_blocks = panel + 1 < end ? std::min(kPanel, blocks - b0 - kPanel) : 0;
-            const char* next = reinterpret_cast<const char*>(packed + (b0 + kPanel) * block_stride);
-            const int64_t next_lines = next_blocks * block_stride * 2 / 64;
-            const int64_t groups = (rows + kRows - 1) / kRows;
-            for (int64_t g = 0; g < groups; ++g) {
-                const int64_t r0 = g * kRows, r = std::min(kRows, rows - r0);
-                const int64_t l0 = next_lines * g / groups, l1 = next_lines * (g + 1) / groups;
-                const uint16_t* xg = x + r0 * x_stride;
-                uint16_t* og = out + r0 * n + b0 * kBlock;
-                if (nb == kPanel)
-                    group_times_panel<2>(r, xg, x_stride, w, block_stride, pairs, odd, og, n, last_cols,
-                                         next + l0 * 64, l1 - l0);
-                else
-                    group_times_panel<1>(r, xg, x_stride, w, block_stride, pairs, odd, og, n, last_cols,
-                                         next + l0 * 64, l1 - l0);
-            }
-        }
-    }
+    gemm(x, rows, k, x_stride, packed, n, out, threads);
 #endif
 }
 }

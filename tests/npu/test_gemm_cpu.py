@@ -1,5 +1,5 @@
 """npu/kernels/gemm.cpp through npu.gemm_cpu: x W^T for any shape, each row a function of its own input row, nothing
-written outside the output, and chosen where the CPU has AVX512-BF16 and no AMX."""
+written outside the output, in bfloat16 and float32; bfloat16's chosen where the CPU has AVX512-BF16 and no AMX."""
 
 import ctypes
 
@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from npu.cpu_kernels import SWITCH, ptr
-from npu.gemm_cpu import PackedBf16, kernel_library
+from npu.gemm_cpu import PackedWeight, kernel_library
 from npu.linear import BF16_GEMM_SWITCH, Projection, cpu_bf16_gemm
 
-LIB = kernel_library(torch.device("cpu"))
-needs_kernel = pytest.mark.skipif(LIB is None, reason="the kernel needs a CPU with AVX512-BF16 and the kernel build")
+LIBS = {dtype: kernel_library(torch.device("cpu"), dtype) for dtype in (torch.bfloat16, torch.float32)}
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
+    lib is None, reason="the kernel needs AVX-512 (bfloat16: AVX512-BF16) and the kernel build"))
+    for dtype, lib in LIBS.items()]
 
 
 def cpu_flags() -> set[str]:
@@ -20,37 +22,38 @@ def cpu_flags() -> set[str]:
 
 
 def within_one_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """y is x W^T rounded once to bfloat16, up to the float32 sum's own error (k terms)."""
+    """y is x W^T rounded once to its dtype, up to the float32 sum's own error (k terms)."""
     exact = x.double() @ w.double().t()
     sum_error = x.shape[1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().t())
+    rounding = (2.0 ** -8 if y.dtype == torch.bfloat16 else 2.0 ** -24) * exact.abs()
     gap = (y.double() - exact).abs()
-    assert bool((gap <= 2.0 ** -8 * exact.abs() + sum_error).all()), float((gap - 2.0 ** -8 * exact.abs()).max())
+    assert bool((gap <= rounding + sum_error).all()), float((gap - rounding - sum_error).max())
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), [(16, 2), (17, 3), (48, 64), (40, 1), (1000, 777), (1536, 1024)])
-def test_kernel_computes_x_times_w_transposed(n, k):
+def test_kernel_computes_x_times_w_transposed(n, k, dtype):
     """Every row-group size (1-14 rows and their tails), a last block of 1-16 columns, odd and even k."""
     g = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    packed = PackedBf16.of(w, LIB)
-    assert packed.packed.numel() == -(-n // 16) * 16 * (k + k % 2)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    packed = PackedWeight.of(w, LIBS[dtype])
+    assert packed.packed.numel() == -(-n // 16) * 16 * (k + k % 2 if dtype == torch.bfloat16 else k)
     for rows in (1, 2, 13, 14, 15, 28, 29, 100):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, k, generator=g).to(dtype)
         y = packed(x)
-        assert y.shape == (rows, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+        assert y.shape == (rows, n) and y.dtype == dtype and y.is_contiguous()
         within_one_rounding(y, x, w)
-    assert packed(torch.empty(0, k, dtype=torch.bfloat16)).shape == (0, n)
+    assert packed(torch.empty(0, k, dtype=dtype)).shape == (0, n)
 
 
-@needs_kernel
-def test_each_row_depends_on_its_own_input_alone():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_depends_on_its_own_input_alone(dtype):
     """The bits of a row do not change with the batch it is in, its place there or the thread count (a request's
     greedy tokens do not move with what it is batched with)."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 300, generator=g).to(torch.bfloat16)
-    packed = PackedBf16.of(w, LIB)
-    x = torch.randn(37, 300, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 300, generator=g).to(dtype)
+    packed = PackedWeight.of(w, LIBS[dtype])
+    x = torch.randn(37, 300, generator=g).to(dtype)
     full = packed(x)
     for i in range(37):
         assert torch.equal(packed(x[i:i + 1]), full[i:i + 1])
@@ -66,20 +69,20 @@ def test_each_row_depends_on_its_own_input_alone():
         torch.set_num_threads(threads)
 
 
-@needs_kernel
-def test_reads_rows_at_their_stride_and_writes_nothing_outside_the_output():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reads_rows_at_their_stride_and_writes_nothing_outside_the_output(dtype):
     """x rows a stride apart (a view into a wider tensor, NaN in the columns between); the output's last block has
     one column, and the values after the output keep what they held."""
     g = torch.Generator().manual_seed(9)
     n, k, rows = 33, 65, 17
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    packed = PackedBf16.of(w, LIB)
-    wide = torch.full((rows, k + 7), float("nan"), dtype=torch.bfloat16)
-    wide[:, :k] = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    packed = PackedWeight.of(w, LIBS[dtype])
+    wide = torch.full((rows, k + 7), float("nan"), dtype=dtype)
+    wide[:, :k] = torch.randn(rows, k, generator=g).to(dtype)
     x = wide[:, :k]
     guard = 64
-    out = torch.full((rows * n + guard,), 7.0, dtype=torch.bfloat16)
-    LIB.gemm_bf16(ptr(x), ctypes.c_int64(rows), ctypes.c_int64(k), ctypes.c_int64(x.stride(0)), ptr(packed.packed),
+    out = torch.full((rows * n + guard,), 7.0, dtype=dtype)
+    packed.gemm(ptr(x), ctypes.c_int64(rows), ctypes.c_int64(k), ctypes.c_int64(x.stride(0)), ptr(packed.packed),
                   ctypes.c_int64(n), ptr(out), ctypes.c_int(torch.get_num_threads()))
     y = out[:rows * n].view(rows, n)
     assert torch.isfinite(y).all() and bool((out[rows * n:] == 7.0).all())

@@ -48,8 +48,6 @@ def bf16_gemm(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(16384, 512), (96, 64)])      # packed by MKL in fp32 / left plain
 def test_projection_equals_x_times_w_transposed(dtype, shape, gemm, fp32_gemm, bf16_gemm):
-    if gemm == "kernel" and dtype == torch.float32:
-        pytest.skip("the project's GEMM kernel is bfloat16 only")
     fp32_gemm(gemm if dtype == torch.float32 else None)
     bf16_gemm(gemm if dtype == torch.bfloat16 and gemm != "mkl" else None)
     g = torch.Generator().manual_seed(0)
@@ -89,7 +87,7 @@ def test_float32_gemm_defaults_to_onednn_and_the_switch_chooses(fp32_gemm, switc
 
 def test_float32_gemm_switch_refuses_a_typo(fp32_gemm):
     fp32_gemm("mlk")
-    with pytest.raises(ValueError, match="APPLIANCE_CPU_FP32_GEMM='mlk': expected mkl, onednn or torch"):
+    with pytest.raises(ValueError, match="APPLIANCE_CPU_FP32_GEMM='mlk': expected mkl, onednn, torch or kernel"):
         cpu_fp32_gemm()
 
 
