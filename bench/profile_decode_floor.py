@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--stream-mib", type=int, default=1024, help="the DRAM reference's buffer (beyond the LLC)")
     ap.add_argument("--matmul-n", type=int, default=2048, help="the arithmetic reference's n x n x n product")
+    ap.add_argument("--ops", type=int, default=0, help="also the N torch ops with the most self CPU time over the "
+                                                       "steps (torch.profiler; the kernels' calls show as their caller)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -129,6 +131,9 @@ def main() -> None:
         runner.paged_decode = timed_attention
         linear.Projection.__call__ = timed_projection
         step_times = []
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.ops else None
+        if profiler is not None:
+            profiler.__enter__()
         for s in range(args.steps):
             context = args.context + s
             step = StepBatch([SeqStep(f"s{i}", [rng.randrange(3, vocab)], context, {"kv": tables[i]})
@@ -136,6 +141,9 @@ def main() -> None:
             t = time.perf_counter()
             runner.execute(step)
             step_times.append(time.perf_counter() - t)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
         linear.Projection.__call__ = project
     rate, peak = dram_read_rate(args.stream_mib), matmul_rate(runner.dtype, args.matmul_n)
 

@@ -29,6 +29,8 @@ attributes, patched on that one core) and a few class attributes.
 
 The wall time of the whole run is printed too, with the load average before and after (the machine may be
 shared: compare figures taken back to back). `--cprofile N` adds the N functions with the most own time.
+`--cold --rounds N` leaves out the warm-up and runs the workload N times (fresh prompts each), with one line per
+round: where the first requests after start-up pay (prefill or decode steps), the tables then over every round.
 """
 
 from __future__ import annotations
@@ -202,28 +204,47 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cprofile", type=int, default=0, help="also print the N functions with the most own time")
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides")
+    ap.add_argument("--rounds", type=int, default=1, help="measured runs of the workload, fresh prompts each")
+    ap.add_argument("--cold", action="store_true", help="no warm-up call before the first measured round")
     a = ap.parse_args()
 
     load_before = os.getloadavg()
     app = Appliance.from_config(appliance_overrides(a.model, a.threads, a.requests) + a.extra)
     rng = random.Random(0)
     vocab = app.rc.model.layout.vocab_size
-    prompts = [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(a.requests)]
     params = SamplingParams(max_tokens=a.gen_len, ignore_eos=True)
-    app.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    if not a.cold:
+        app.generate([[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(2)],
+                     SamplingParams(max_tokens=4, ignore_eos=True))
     timer = StepTimer()
     instrument(app, timer)
     profiler = LoopProfiler(app.engine) if a.cprofile else None
     timer.enabled = True
-    t0 = time.perf_counter()
-    results = app.generate(prompts, params)
-    wall = time.perf_counter() - t0
+    wall, results, rounds = 0.0, [], []
+    for _ in range(a.rounds):
+        prompts = [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+        first = len(timer.rows)
+        t0 = time.perf_counter()
+        results = app.generate(prompts, params)
+        took = time.perf_counter() - t0
+        wall += took
+        timer.iteration()
+        rounds.append((took, first, len(timer.rows)))
     timer.enabled = False
     if profiler is not None:
         profiler.stop()
     timer.iteration()
     app.close()
-    n_out = sum(len(r.token_ids) for r in results)
+    for i, (took, first, last) in enumerate(rounds):
+        steps = list(zip(timer.rows[first:last], timer.kinds[first:last]))
+        prefill = [r["total"] for r, k in steps if k == "prefill"]
+        decode = [r["total"] for r, k in steps if k == "decode"]
+        model = [r.get("model", 0.0) for r, k in steps if k == "decode"]
+        print(f"round {i + 1}: {a.requests * a.gen_len / took:.0f} out tok/s in {took:.2f} s; prefill steps "
+              f"{len(prefill)}, {1000 * sum(prefill):.0f} ms; decode steps {len(decode)}, "
+              f"{1000 * sum(decode):.0f} ms (median {1000 * statistics.median(decode or [0]):.2f}, model "
+              f"{1000 * statistics.median(model or [0]):.2f})")
+    n_out = sum(len(r.token_ids) for r in results) * a.rounds
     load_after = os.getloadavg()
 
     print(f"model {a.model} ({app.rc.model.layout.dtype}), {a.requests} x {a.prompt_len} -> {a.gen_len}, "

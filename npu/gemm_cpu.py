@@ -9,19 +9,30 @@ its input row alone, whatever else is in the batch: the sums run over k in one o
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from npu.cpu_kernels import entry, kernels_for, ptr
+from npu.cpu_kernels import SUFFIX, SWITCH, entry, load, ptr
+
+log = logging.getLogger("npu.gemm_cpu")
+_said_unavailable: list[str] = []       # the reason the library could not be had, logged once per process
 
 
 def kernel_library(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
     """The kernel library where it has the GEMM for `dtype` (float32: built for AVX-512; bfloat16: AVX512-BF16),
-    else None."""
-    lib = kernels_for(device, dtype, f"{str(dtype).removeprefix('torch.')} projections (oneDNN instead)")
-    if lib is None:
+    else None: not a CPU, the kernels off (APPLIANCE_CPU_KERNELS=0), no build (logged once), or no such CPU."""
+    if device.type != "cpu" or dtype not in SUFFIX or os.environ.get(SWITCH, "1") == "0":
+        return None
+    try:
+        lib = load()
+    except RuntimeError as e:
+        if not _said_unavailable:
+            _said_unavailable.append(str(e))
+            log.warning("the GEMM kernel is unavailable, projections take oneDNN's GEMM: %s", e)
         return None
     available = entry(lib, "gemm_available", dtype)
     available.restype = ctypes.c_int

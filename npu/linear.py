@@ -8,7 +8,7 @@
   9.2 -> 7.6 ms). Its values equal F.linear's up to 32 rows and differ by bf16 rounding above (another
   blocking of the sums). Only the packed copy is kept: a bf16 weight is not held twice.
 - float32 on CPU: oneDNN's packed fp32 GEMM, the bf16 path's two ops on a float32 weight, on every CPU maker
-  (cpu_fp32_gemm; APPLIANCE_CPU_FP32_GEMM=mkl|onednn|torch overrides). Measured at two threads, min of 30 calls:
+  (cpu_fp32_gemm; APPLIANCE_CPU_FP32_GEMM=mkl|onednn|torch|kernel overrides). Measured at two threads, min of 30 calls:
   - AMD EPYC (avx512_bf16): F.linear and MKL's packed GEMM are 1.1-1.8x slower than oneDNN at 1 and 64-512
     rows and 2-6x at 2-16 rows (a 2048 x 768 projection at 4 rows 302 against 79 us; the 32000 x 768 head at
     64 rows 31 against 15 ms): MKL takes its generic code on AMD. (Measured before bench/bench_cpu_gemm.py; its
@@ -25,10 +25,12 @@
   copy where it is at most PACKED_MAX_GROWTH times the weight's size, used at 2-256 rows; `torch` is F.linear.
 - bfloat16 on a CPU with AVX512-BF16 and no AMX (an AMD EPYC Zen 4, an Intel Cooper Lake): the project's own
   kernel instead (npu.gemm_cpu, npu/kernels/gemm.cpp; cpu_bf16_gemm, APPLIANCE_CPU_BF16_GEMM=kernel|onednn|torch
-  overrides). oneDNN read the weights of a decode step from DRAM at about half the memory's rate: every
-  projection of a 12 x 1024 model in turn, 2 threads, AMD EPYC, kernel against oneDNN: 1.54x at 1 row, 1.39x at
-  8, 1.22x at 32, 1.10x at 64 and 0.97-1.0x from 512 rows. Its output rows depend on their input rows alone
-  (oneDNN's change with the row count above 32). With AMX oneDNN's tile GEMM stays: several times the vector rate.
+  overrides). oneDNN read a decode step's weights from DRAM at about half the memory's rate: every projection of
+  a 12 x 1024 model in turn, 2 threads, AMD EPYC, kernel against oneDNN 1.32x at 1 row, 1.37x at 8, 1.16x at 32,
+  1.06x at 64, level from 512 rows. Its output rows depend on their input rows alone (oneDNN's change with the
+  row count above 32). With AMX oneDNN's tile GEMM stays: several times the vector rate. The same kernel runs
+  float32 by FMA where APPLIANCE_CPU_FP32_GEMM=kernel asks (1.3-1.6x at 1-8 rows, 1.06x at 32-64, 0.96x at 512
+  on the AMD EPYC; not the default).
 - anywhere else (accelerators, other dtypes): F.linear.
 Packed copies are counted by tensors(), so the startup profile sees their memory.
 
@@ -49,6 +51,7 @@ third. Buckets cost their extra rows and a copy of the input where a count falls
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -58,6 +61,8 @@ import torch.nn.functional as F
 
 from appliance.core.errors import EnvironmentSettingError
 from npu.gemm_cpu import PackedWeight, amx_present, kernel_library
+
+log = logging.getLogger("npu.linear")
 
 MKL_ROWS = range(2, 257)               # float32 rows where MKL's packed GEMM beats F.linear
 MKL_PACK_ROWS = 64                     # the batch size MKL packs the weight for (any row count runs on it)
@@ -122,6 +127,8 @@ def cpu_bf16_gemm() -> Bf16Gemm:
     if chosen in (None, "kernel"):
         lib = kernel_library(torch.device("cpu"))
         if lib is not None and (chosen == "kernel" or not amx_present(lib)):
+            log.info("bfloat16 projections: the project's GEMM kernel (%s)",
+                     "asked for" if chosen else "AVX512-BF16 without AMX")
             return "kernel"
         chosen = None
     if chosen in (None, "onednn"):

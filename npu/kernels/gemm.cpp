@@ -1,20 +1,24 @@
-// bfloat16 projections y = x W^T on CPUs with AVX512-BF16 and no AMX (npu/gemm_cpu.py says when it is chosen).
+// Projections y = x W^T on AVX-512 CPUs: bfloat16 by AVX512-BF16 (the default where the CPU has no AMX) and float32
+// by FMA (where chosen); npu/gemm_cpu.py and npu/linear.py say when each is taken.
 //
-// Why not oneDNN's packed GEMM there: at the row counts of decode steps it reads weights from DRAM at half the
-// rate the memory gives (one row: about 16 GB/s against 28-31) and computes at 70-80% of the CPU's peak at 32 rows.
-// This kernel is one simple schedule for every row count: AMD EPYC (Zen 4), 2 threads, every projection of a 12 x
-// 1024 model in turn (the weights come from DRAM, as in a decode step): 1.54x oneDNN at 1 row, 1.39x at 8, 1.22x at
-// 32, 1.10x at 64, and 0.97-1.0x from 512 rows (bench/bench_cpu_gemm.py --bf16-kernel).
+// Why not oneDNN's packed GEMM there: at the row counts of decode steps it read the weights from DRAM at about half
+// the memory's rate and computed at 75-85% of the CPU's peak at 32 rows. This kernel is one simple schedule for every
+// row count. AMD EPYC (Zen 4), 2 threads, every projection of a model in turn, so the weights come from DRAM as in
+// a decode step (bench/bench_cpu_gemm.py --layers), bfloat16 against oneDNN: 12 x 1024 1.32x at 1 row, 1.37x at 8,
+// 1.16x at 32, 1.06x at 64, 1.0x at 512 and 0.98x at 2,048; 6 x 768 1.48x, 1.55x, 1.13x, 1.06x and 0.96x at 512.
+// float32: 1.33x at 1 row, 1.6x at 8, 1.06x at 32 and 64, 0.96x at 512 (so oneDNN stays float32's default).
 //
-// Layout: W [n, k] is packed once, at load, into 16-column blocks of dimension pairs, packed[block][pair][col][2]
-// (blocks = n / 16 and pairs = k / 2, each rounded up, zeros past n and k): a block's pair is one 64-byte line, the
-// B operand of _mm512_dpbf16_ps, so the kernel reads the weight once, in order, in whole lines.
+// Layout: W [n, k] is packed once, at load, into 16-column blocks of steps, packed[block][step][col][dims] (a step
+// is one dimension in float32 and a pair in bfloat16; blocks and steps rounded up, zeros past n and k): a block's
+// step is one 64-byte line, the B operand of one multiply-add, so the kernel reads the weight once, in order, in
+// whole lines.
 //
-// Schedule: a panel is kPanel blocks (32 output columns); each thread takes a contiguous run of panels. For each
-// panel, the rows in groups of up to kRows: 2 x 14 = 28 float32 accumulators in registers; each step over k reads
-// a panel's two lines and broadcasts one x pair per row. The panel's lines come from DRAM for the first row group
-// and from L2 for the rest; while a panel's row groups run, the next panel's lines are requested into L2 a few per
-// step (with one row group, as at batch 1, that is a panel ahead of the stream).
+// Schedule: a panel is kPanel blocks (32 output columns); each thread takes a contiguous run of panels. Rows go in
+// chunks of kChunkGroups groups of up to kRows; a chunk's rows are staged as words by step (a step's 14 broadcasts
+// from one line). For each panel, each group keeps 2 x 14 = 28 float32 accumulators in registers; a step reads the
+// panel's two lines and broadcasts one word per row. The panel's lines come from DRAM for the chunk's first group
+// and from L2 for the rest; while a panel's groups run, the next panel's lines are requested into L2 (with one
+// group, as at batch 1, that is a panel ahead of the stream).
 //
 // A row's sums run over k in order whatever the row count, the row's place in the batch or the thread count, so
 // each output row is a function of its input row alone: a request's tokens do not change with what it is batched
