@@ -223,6 +223,7 @@ def main() -> None:
     wall, results, rounds = 0.0, [], []
     for _ in range(a.rounds):
         prompts = [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+        timer.iteration()              # the engine thread waits for requests: its next step starts a row
         first = len(timer.rows)
         t0 = time.perf_counter()
         results = app.generate(prompts, params)
