@@ -27,10 +27,10 @@
   kernel instead (npu.gemm_cpu, npu/kernels/gemm.cpp; cpu_bf16_gemm, APPLIANCE_CPU_BF16_GEMM=kernel|onednn|torch
   overrides). oneDNN read a decode step's weights from DRAM at about half the memory's rate: every projection of
   a 12 x 1024 model in turn, 2 threads, AMD EPYC, kernel against oneDNN 1.32x at 1 row, 1.37x at 8, 1.16x at 32,
-  1.06x at 64, level from 512 rows. Its output rows depend on their input rows alone (oneDNN's change with the
-  row count above 32). With AMX oneDNN's tile GEMM stays: several times the vector rate. The same kernel runs
-  float32 by FMA where APPLIANCE_CPU_FP32_GEMM=kernel asks (1.3-1.6x at 1-8 rows, 1.06x at 32-64, 0.96x at 512
-  on the AMD EPYC; not the default).
+  1.06x at 64, level from 512 rows. Its output rows depend on their input rows alone, by construction (oneDNN's
+  did not above 32 rows on the Intel Xeon). With AMX oneDNN's tile GEMM stays: several times the vector rate.
+  The same kernel runs float32 by FMA where APPLIANCE_CPU_FP32_GEMM=kernel asks (1.3-1.6x at 1-8 rows, 1.06x at
+  32-64, 0.96x at 512 on the AMD EPYC; not the default).
 - anywhere else (accelerators, other dtypes): F.linear.
 Packed copies are counted by tensors(), so the startup profile sees their memory.
 

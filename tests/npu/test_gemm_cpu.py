@@ -124,3 +124,52 @@ def test_the_switch_chooses_and_refuses_a_typo(bf16_gemm):
     bf16_gemm("kernal")
     with pytest.raises(ValueError, match="APPLIANCE_CPU_BF16_GEMM='kernal': expected kernel, onednn or torch"):
         cpu_bf16_gemm()
+
+
+def bf16_tiny_runner():
+    """The tiny Qwen3 widened to head_dim 64 (the paged decode kernel's one-pass path) and hidden 256, in bfloat16
+    (weights and pool) on the CPU, its seeded random weights loaded."""
+    import dataclasses
+
+    from appliance.config.compose import load_runtime_config
+    from npu.qwen3.runner import Qwen3Runner
+
+    m = load_runtime_config(["+model=qwen3_tiny", "model.layout.hidden_size=256", "model.layout.head_dim=64",
+                             "model.layout.intermediate_size=768", "model.cache_groups.0.row.width=256"]).model
+    m = dataclasses.replace(m, layout=dataclasses.replace(m.layout, dtype="bfloat16"),
+                            cache_groups=(dataclasses.replace(m.cache_groups[0], row_dtype="bfloat16"),))
+    runner = Qwen3Runner(m, "cpu")
+    runner.load_weights()
+    runner.allocate_pools({"kv": 32}, 1)
+    return runner
+
+
+@pytest.mark.skipif(LIBS[torch.bfloat16] is None, reason="the kernel needs AVX512-BF16 and the kernel build")
+def test_a_bfloat16_sequence_gets_the_same_logits_alone_and_batched(bf16_gemm):
+    """With the kernel every part of a Qwen3 step computes a row from that row alone (the projections here; the
+    attention and norm kernels by their own tests), so a bfloat16 sequence's logits, prefill and decode, are the same
+    bits alone and batched with other sequences: greedy output cannot move with what it is batched with. (On an AMD
+    EPYC oneDNN's bf16 GEMM passes this too; on the Intel Xeon with AMX its sums changed with the row count above
+    32, npu/linear.py.)"""
+    from npu.step import SeqStep, StepBatch
+
+    bf16_gemm("kernel")
+    runner = bf16_tiny_runner()
+    assert runner.lm_head is not None and runner.lm_head.kernel_packed is not None
+    rng = torch.Generator().manual_seed(11)
+    prompts = {name: torch.randint(3, 500, (n,), generator=rng).tolist() for name, n in
+               (("a", 21), ("b", 5), ("c", 40))}
+
+    def run(names: list[str], first_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = {name: [first_page + 3 * i + j for j in range(3)] for i, name in enumerate(names)}
+        with torch.inference_mode():
+            prefill = runner.execute(StepBatch([SeqStep(n, prompts[n], 0, {"kv": pages[n]}) for n in names],
+                                               new_pages={"kv": [p for n in names for p in pages[n]]}))
+            decode = runner.execute(StepBatch([SeqStep(n, [prompts[n][0]], len(prompts[n]), {"kv": pages[n]})
+                                               for n in names]))
+        return prefill[names.index("a")], decode[names.index("a")]
+
+    alone = run(["a"], 1)
+    batched = run(["c", "a", "b"], 10)
+    assert alone[0].dtype == torch.bfloat16 and torch.isfinite(alone[1]).all()
+    assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
