@@ -67,6 +67,9 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] in the weight's dtype -> [rows, out_features], contiguous."""
+        if x.dtype != self.packed.dtype or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise TypeError(f"the GEMM kernel takes a CPU {self.packed.dtype} [rows, {self.in_features}] input, not "
+                            f"{x.device.type} {x.dtype} {list(x.shape)}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]

@@ -158,7 +158,7 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 class Projection:
     """A weight [out, in] as the fastest path for its device and dtype wants it, made once when weights are
     installed: only oneDNN's packed copy (CPU bfloat16 and float32; then `weight` is None), or only the project's
-    kernel's packed copy (CPU bfloat16 where cpu_bf16_gemm chose it), or the plain weight (F.linear) with MKL's
+    kernel's packed copy (where cpu_bf16_gemm or cpu_fp32_gemm chose it), or the plain weight (F.linear) with MKL's
     packed copy where APPLIANCE_CPU_FP32_GEMM=mkl chose it, or the plain weight alone."""
 
     weight: torch.Tensor | None

@@ -44,6 +44,11 @@ def test_kernel_computes_x_times_w_transposed(n, k, dtype):
         assert y.shape == (rows, n) and y.dtype == dtype and y.is_contiguous()
         within_one_rounding(y, x, w)
     assert packed(torch.empty(0, k, dtype=dtype)).shape == (0, n)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(TypeError, match="the GEMM kernel takes a CPU"):
+        packed(torch.zeros(2, k, dtype=other))            # another dtype's bytes are never read as this one's
+    with pytest.raises(TypeError, match="the GEMM kernel takes a CPU"):
+        packed(torch.zeros(2, k + 1, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
