@@ -96,16 +96,8 @@ def test_reads_rows_at_their_stride_and_writes_nothing_outside_the_output(dtype)
 
 
 @pytest.fixture
-def bf16_gemm(monkeypatch):
-    def force(path: str | None, kernels: str | None = None) -> None:
-        for name, value in ((BF16_GEMM_SWITCH, path), (SWITCH, kernels)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        cpu_bf16_gemm.cache_clear()
-    yield force
-    cpu_bf16_gemm.cache_clear()
+def bf16_gemm(gemm_switches):
+    return lambda path, kernels=None: gemm_switches(**{BF16_GEMM_SWITCH: path, SWITCH: kernels})
 
 
 def test_the_kernel_is_the_default_where_the_cpu_has_avx512_bf16_and_no_amx(bf16_gemm):

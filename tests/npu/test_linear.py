@@ -19,29 +19,16 @@ ROWS = [0, 1, 2, 7, 32, 64, 65, 300]
 
 
 @pytest.fixture
-def fp32_gemm(monkeypatch):
-    """Force the float32 path by its switch, whatever this CPU's maker (both paths run on either kind)."""
-    def force(path: str | None) -> None:
-        if path is None:
-            monkeypatch.delenv(FP32_GEMM_SWITCH, raising=False)
-        else:
-            monkeypatch.setenv(FP32_GEMM_SWITCH, path)
-        cpu_fp32_gemm.cache_clear()
-    yield force
-    cpu_fp32_gemm.cache_clear()
+def fp32_gemm(gemm_switches):
+    """Force the float32 path by its switch (None: the default)."""
+    return lambda path: gemm_switches(**{FP32_GEMM_SWITCH: path})
 
 
 @pytest.fixture
-def bf16_gemm(monkeypatch):
-    """Force the bfloat16 path by its switch (the kernel where this CPU has AVX512-BF16, oneDNN, torch)."""
-    def force(path: str | None) -> None:
-        if path is None:
-            monkeypatch.delenv(BF16_GEMM_SWITCH, raising=False)
-        else:
-            monkeypatch.setenv(BF16_GEMM_SWITCH, path)
-        cpu_bf16_gemm.cache_clear()
-    yield force
-    cpu_bf16_gemm.cache_clear()
+def bf16_gemm(gemm_switches):
+    """Force the bfloat16 path by its switch (the kernel where this CPU has AVX512-BF16, oneDNN, torch; None: the
+    default)."""
+    return lambda path: gemm_switches(**{BF16_GEMM_SWITCH: path})
 
 
 @pytest.mark.parametrize("gemm", ["mkl", "onednn", "torch", "kernel"])
