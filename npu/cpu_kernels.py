@@ -170,6 +170,12 @@ def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
     return fn
 
 
+def amx_granted(lib: ctypes.CDLL) -> bool:
+    """Whether the library was built for a CPU with AMX and Linux granted the tile state (asked once per process)."""
+    lib.paged_decode_amx.restype = ctypes.c_int
+    return bool(lib.paged_decode_amx())
+
+
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 

@@ -39,12 +39,6 @@ def kernel_library(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     return lib if available() else None
 
 
-def amx_present(lib: ctypes.CDLL) -> bool:
-    """Whether this CPU's tile unit is built for and granted (then oneDNN's AMX GEMM is the faster bfloat16 path)."""
-    lib.paged_decode_amx.restype = ctypes.c_int
-    return bool(lib.paged_decode_amx())
-
-
 @dataclass(frozen=True)
 class PackedWeight:
     """A float32 or bfloat16 weight [out_features, in_features] in the kernel's layout; calling it computes x W^T."""

@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 
 from appliance.core.errors import EnvironmentSettingError
-from npu.gemm_cpu import PackedWeight, amx_present, kernel_library
+from npu.cpu_kernels import amx_granted
+from npu.gemm_cpu import PackedWeight, kernel_library
 
 log = logging.getLogger("npu.linear")
 
@@ -126,7 +127,7 @@ def cpu_bf16_gemm() -> Bf16Gemm:
                                       f"for the measured default)")
     if chosen in (None, "kernel"):
         lib = kernel_library(torch.device("cpu"))
-        if lib is not None and (chosen == "kernel" or not amx_present(lib)):
+        if lib is not None and (chosen == "kernel" or not amx_granted(lib)):
             log.info("bfloat16 projections: the project's GEMM kernel (%s)",
                      "asked for" if chosen else "AVX512-BF16 without AMX")
             return "kernel"

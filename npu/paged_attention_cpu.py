@@ -30,7 +30,7 @@ import ctypes
 
 import torch
 
-from npu.cpu_kernels import entry, kernels_for, ptr
+from npu.cpu_kernels import amx_granted, entry, kernels_for, ptr
 
 
 class PagedDecodeAttention:
@@ -94,10 +94,9 @@ class PagedDecodeAttention:
 def amx_applies(lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                 block_size: int) -> tuple[bool, str]:
     """Whether the AMX decode path serves this shape on this CPU, and why not."""
-    lib.paged_decode_amx.restype = ctypes.c_int
     if dtype != torch.bfloat16:
         return False, f"it takes bfloat16, not {dtype}"
-    if not lib.paged_decode_amx():
+    if not amx_granted(lib):
         return False, "this CPU or kernel build has no AMX tile unit, or Linux refused it"
     if head_dim not in (64, 128) or num_heads // num_kv_heads > 16 or block_size % 16:
         return False, (f"it takes head_dim 64 or 128, up to 16 query heads per kv head and "
