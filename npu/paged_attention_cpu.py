@@ -37,22 +37,33 @@ class PagedDecodeAttention:
     """Attention of one-token rows over one layer's pool, each row over its own pages and length."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, tiles: bool | None = None):
-        """tiles: the AMX path (bfloat16 only); None picks it wherever it applies (amx_applies)."""
+                 block_size: int, tiles: bool | None = None, pairs: bool = False):
+        """tiles: the AMX path (bfloat16 only); None picks it wherever it applies (amx_applies). pairs: the pool is
+        in the kv-pairs layout (npu.kv_pairs; bfloat16 by AVX512-BF16, never on tiles)."""
         self.dtype = dtype
         self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.scale = ctypes.c_float(head_dim ** -0.5)
-        applies, why = amx_applies(lib, dtype, num_heads, num_kv_heads, head_dim, block_size)
-        if tiles and not applies:
-            raise ValueError(f"paged decode attention on AMX tiles: {why}")
-        self.tiles = applies if tiles is None else tiles
-        self.fn = lib.paged_decode_attention_amx_bf16 if self.tiles else entry(lib, "paged_decode_attention", dtype)
+        self.pairs = pairs
+        if pairs:
+            lib.kv_pairs_layout.restype = ctypes.c_int
+            if tiles or dtype != torch.bfloat16 or not lib.kv_pairs_layout() or head_dim not in (64, 128) \
+                    or block_size % 16:
+                raise ValueError(f"paged decode attention over the kv-pairs layout takes bfloat16 on a build with "
+                                 f"AVX512-BF16, head_dim 64 or 128 and block_size a multiple of 16, not tiles={tiles}, "
+                                 f"{dtype}, {head_dim}, {block_size}")
+            self.tiles, self.fn = False, lib.paged_decode_attention_pairs_bf16
+        else:
+            applies, why = amx_applies(lib, dtype, num_heads, num_kv_heads, head_dim, block_size)
+            if tiles and not applies:
+                raise ValueError(f"paged decode attention on AMX tiles: {why}")
+            self.tiles = applies if tiles is None else tiles
+            self.fn = lib.paged_decode_attention_amx_bf16 if self.tiles else entry(lib, "paged_decode_attention", dtype)
         self.fn.restype = None
 
     def __call__(self, query: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor,
                  checked_longest: int | None = None) -> torch.Tensor:
         """query [rows, heads, head_dim]; planes: one layer's pool as [2 x pages, block_size, kv_heads x head_dim]
-        (page p's K plane at 2p, its V plane at 2p + 1); pages [rows, width] int64 page ids, padded anywhere past
+        (page p's K plane at 2p, its V plane at 2p + 1; in the kv-pairs layout where this kernel was made for it); pages [rows, width] int64 page ids, padded anywhere past
         a row's length; lengths [rows] int64, tokens each row attends to. Returns [rows, heads, head_dim].
 
         Everything the kernel would index with is checked first (two reductions, a few microseconds): a bad
@@ -105,7 +116,9 @@ def amx_applies(lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_hea
 
 
 def paged_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                           head_dim: int, block_size: int) -> PagedDecodeAttention | None:
-    """The kernel where it applies to a runner, else None (npu.cpu_kernels logs why)."""
+                           head_dim: int, block_size: int, pairs: bool = False) -> PagedDecodeAttention | None:
+    """The kernel where it applies to a runner, else None (npu.cpu_kernels logs why). pairs: over a pool in the
+    kv-pairs layout (npu.kv_pairs)."""
     lib = kernels_for(device, dtype, "decode attention (gather + SDPA)")
-    return None if lib is None else PagedDecodeAttention(lib, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    return None if lib is None else PagedDecodeAttention(lib, dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                         pairs=pairs)

@@ -55,6 +55,9 @@ class CausalPrefillAttention:
                              f"({num_heads} heads / {num_kv_heads} kv heads)")
         self.fn = entry(lib, "causal_prefill_attention", dtype)
         self.paged_fn = entry(lib, "paged_prefill_attention", dtype)
+        self.pairs_fn = lib.paged_prefill_attention_pairs_bf16       # pools in the kv-pairs layout (npu.kv_pairs)
+        self.pairs_fn.restype = None
+        self.paths = available_paths(lib)
         self.dtype, self.path = dtype, path
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = ctypes.c_float(head_dim ** -0.5)
@@ -85,12 +88,14 @@ class CausalPrefillAttention:
 
 
     def paged(self, q: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, context: int, length: int,
-              checked: bool = False) -> torch.Tensor:
+              checked: bool = False, pairs: bool = False) -> torch.Tensor:
         """Chunks after cached tokens: q [count x length, heads x head_dim] row views (each row's elements
         contiguous), chunk c's rows c x length.. attending to the first `context` tokens of its pages (the chunk's
         own last, already written to the pool); planes: one layer's pool as [2 x pages, block_size, kv_heads x
         head_dim] (K plane 2p, V plane 2p + 1); pages [count, width] int64. Returns [count x length, heads,
-        head_dim]. Page ids are range-checked unless the caller did (`checked`: the runner's StepLayout.build)."""
+        head_dim]. Page ids are range-checked unless the caller did (`checked`: the runner's StepLayout.build).
+        pairs: the planes are in the kv-pairs layout (npu.kv_pairs), read by the AVX512-BF16 path whatever this
+        object's path (the layout is only made where the kernels have it)."""
         count, width = pages.shape
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         block_size = planes.shape[1]
@@ -101,6 +106,9 @@ class CausalPrefillAttention:
                              f"{planes.dtype}, pages {tuple(pages.shape)} {pages.dtype}, {count} chunks of {length} "
                              f"rows over {context} tokens do not fit a {self.dtype} kernel of {nh} heads x {hd}, "
                              f"{kvh} kv heads")
+        if pairs and (self.dtype != torch.bfloat16 or AVX512_BF16 not in self.paths or block_size % 16):
+            raise ValueError(f"paged prefill attention over the kv-pairs layout takes bfloat16 on a build with "
+                             f"AVX512-BF16 and block_size a multiple of 16, not {self.dtype}, {block_size}")
         if not checked:
             low, high = (int(v) for v in torch.aminmax(pages[:, :-(-context // block_size)]))
             if low < 0 or 2 * high + 1 >= planes.shape[0]:
@@ -112,10 +120,13 @@ class CausalPrefillAttention:
         kv_lengths = torch.full((count,), context, dtype=torch.int64)
         unit = 4 + planes.element_size()                      # packed K (float32 or bf16 pairs) and V rows
         scratch = torch.empty(count * -(-context // BLOCK) * BLOCK * kvh * hd * unit, dtype=torch.uint8)
-        self.paged_fn(ptr(q), ptr(starts), ptr(planes), ptr(pages), ctypes.c_int64(width), ctypes.c_int64(block_size),
-                      ptr(kv_lengths), ctypes.c_int64(count), ptr(out), ptr(scratch), ctypes.c_int64(nh),
-                      ctypes.c_int64(kvh), ctypes.c_int64(hd), ctypes.c_int64(q.stride(0)), self.scale,
-                      ctypes.c_int(torch.get_num_threads()), ctypes.c_int(self.path))
+        args = (ptr(q), ptr(starts), ptr(planes), ptr(pages), ctypes.c_int64(width), ctypes.c_int64(block_size),
+                ptr(kv_lengths), ctypes.c_int64(count), ptr(out), ptr(scratch), ctypes.c_int64(nh), ctypes.c_int64(kvh),
+                ctypes.c_int64(hd), ctypes.c_int64(q.stride(0)), self.scale, ctypes.c_int(torch.get_num_threads()))
+        if pairs:
+            self.pairs_fn(*args)
+        else:
+            self.paged_fn(*args, ctypes.c_int(self.path))
         return out
 
 

@@ -217,16 +217,17 @@ inline void transpose_keys(const T* const rows[16], float* kt) {
 }
 
 // The 16 scores of NH query heads (q rows HD apart: float32 scaled, or bfloat16 pair words) against K^T, two
-// independent sums per head (the multiply-add latency).
+// independent sums per head (the multiply-add latency). K^T's rows (a dim, or a dim pair) are `stride` floats
+// apart: 16 in the kernel's own buffer, block_size where a pool keeps its pages' K in pairs (kv_pairs).
 template <typename T, int HD, int NH>
-inline void head_scores(const float* kt, const float* qf, const uint32_t* qw, __m512* out) {
+inline void head_scores(const float* kt, int64_t stride, const float* qf, const uint32_t* qw, __m512* out) {
     __m512 a[NH], b[NH];
     for (int h = 0; h < NH; ++h) a[h] = b[h] = _mm512_setzero_ps();
     if constexpr (kPairs && std::is_same_v<T, uint16_t>) {
 #if defined(__AVX512BF16__)
         for (int w = 0; w < HD / 2; w += 2) {
-            const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_load_ps(kt + w * 16));
-            const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_load_ps(kt + (w + 1) * 16));
+            const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_loadu_ps(kt + w * stride));
+            const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_loadu_ps(kt + (w + 1) * stride));
             for (int h = 0; h < NH; ++h) {
                 const uint32_t* pair = qw + h * HD / 2 + w;
                 a[h] = _mm512_dpbf16_ps(a[h], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[0])), k0);
@@ -236,7 +237,7 @@ inline void head_scores(const float* kt, const float* qf, const uint32_t* qw, __
 #endif
     } else {
         for (int d = 0; d < HD; d += 2) {
-            const __m512 k0 = _mm512_load_ps(kt + d * 16), k1 = _mm512_load_ps(kt + (d + 1) * 16);
+            const __m512 k0 = _mm512_loadu_ps(kt + d * stride), k1 = _mm512_loadu_ps(kt + (d + 1) * stride);
             for (int h = 0; h < NH; ++h) {
                 a[h] = _mm512_fmadd_ps(_mm512_set1_ps(qf[h * HD + d]), k0, a[h]);
                 b[h] = _mm512_fmadd_ps(_mm512_set1_ps(qf[h * HD + d + 1]), k1, b[h]);
@@ -280,7 +281,9 @@ inline void pair_values(const uint16_t* const v[16], int keys, uint16_t* vp) {
     }
 }
 
-// acc (one head, HD floats) = acc * alpha + sum over key pairs of (p[2j], p[2j + 1]) . vp[j].
+// acc (one head, HD floats) = acc * alpha + sum over key pairs of (p[2j], p[2j + 1]) . vp[j]. With an odd number of
+// keys the last pair's second key is past the row's length: its half of each word is read as zero (p is zero there,
+// but 0 x NaN is NaN, and a pool's unwritten slots hold anything).
 template <int HD>
 inline void head_values_pairs(float* acc, float alpha, __m512 e, const uint16_t* vp, int keys) {
     alignas(32) uint32_t pw[8];
@@ -290,18 +293,23 @@ inline void head_values_pairs(float* acc, float alpha, __m512 e, const uint16_t*
     for (int i = 0; i < HD / 16; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), s);
     for (int j = 0; 2 * j < keys; ++j) {
         const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pw[j]));
+        const __mmask32 both = 2 * j + 1 < keys ? 0xFFFFFFFFu : 0x55555555u;
         for (int i = 0; i < HD / 16; ++i)
-            a[i] = _mm512_dpbf16_ps(a[i], pj, reinterpret_cast<__m512bh>(_mm512_load_si512(vp + j * HD * 2 + 32 * i)));
+            a[i] = _mm512_dpbf16_ps(a[i], pj, reinterpret_cast<__m512bh>(
+                _mm512_maskz_loadu_epi16(both, vp + j * HD * 2 + 32 * i)));
     }
     for (int i = 0; i < HD / 16; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 #endif
 
-template <typename T, int HD>
+// PAIRED (bfloat16 with AVX512-BF16 only): the pool keeps its pages in the kv-pairs layout (kv_pairs below), so a
+// block's K^T and V pairs are read where they lie instead of built per call.
+template <typename T, int HD, bool PAIRED = false>
 void decode_attention_one_pass(const T* query, const T* pool, const int64_t* pages, const int64_t* lengths, T* out,
                                int64_t rows, int64_t width, int64_t heads, int64_t kv_heads, int64_t block_size,
                                int64_t max_len, float scale, int threads) {
     constexpr bool pairs = kPairs && std::is_same_v<T, uint16_t>;
+    static_assert(!PAIRED || pairs, "the kv-pairs layout is read by the AVX512-BF16 path alone");
     const int64_t group = heads / kv_heads, token_stride = kv_heads * HD, plane = block_size * token_stride;
     if (rows * max_len * heads * HD < kGrain) threads = 1;
     const int64_t parts = rows >= threads ? 1 : std::min<int64_t>(kv_heads, (threads + rows - 1) / rows);
@@ -351,34 +359,43 @@ void decode_attention_one_pass(const T* query, const T* pool, const int64_t* pag
                     const int keys = static_cast<int>(std::min<int64_t>(16, n - t0));
                     const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1);
                     for (int64_t g = g0; g < g1; ++g) {
-                        for (int t = 0; t < 16; ++t)
-                            krows[t] = t < keys ? kp + (t0 + t) * token_stride + g * HD : nullptr;
-                        transpose_keys<T, HD>(krows, kt);
-                        for (int t = 0; t < keys; ++t) {
-                            const T* v = vp + (t0 + t) * token_stride + g * HD;
-                            if constexpr (pairs) {
-                                vrows_raw[t] = v;
-                            } else if constexpr (std::is_same_v<T, float>) {
-                                vrows[t] = v;
-                            } else {
-                                for (int i = 0; i < HD / 16; ++i)
-                                    _mm512_store_ps(vs + t * HD + 16 * i, load16(v + 16 * i));
-                                vrows[t] = vs + t * HD;
+                        const float* kblock = kt;               // K^T of the block: 16 keys per dim (pair) row
+                        int64_t kstride = 16;
+                        const uint16_t* vblock = vpairs;        // V of the block as key pairs (bfloat16 pairs)
+                        if constexpr (PAIRED) {
+                            kblock = reinterpret_cast<const float*>(kp + g * HD * block_size + 2 * t0);
+                            kstride = block_size;
+                            vblock = reinterpret_cast<const uint16_t*>(vp + g * HD * block_size + t0 * HD);
+                        } else {
+                            for (int t = 0; t < 16; ++t)
+                                krows[t] = t < keys ? kp + (t0 + t) * token_stride + g * HD : nullptr;
+                            transpose_keys<T, HD>(krows, kt);
+                            for (int t = 0; t < keys; ++t) {
+                                const T* v = vp + (t0 + t) * token_stride + g * HD;
+                                if constexpr (pairs) {
+                                    vrows_raw[t] = v;
+                                } else if constexpr (std::is_same_v<T, float>) {
+                                    vrows[t] = v;
+                                } else {
+                                    for (int i = 0; i < HD / 16; ++i)
+                                        _mm512_store_ps(vs + t * HD + 16 * i, load16(v + 16 * i));
+                                    vrows[t] = vs + t * HD;
+                                }
                             }
-                        }
 #if defined(__AVX512BF16__)
-                        if constexpr (pairs) pair_values<HD>(vrows_raw, keys, vpairs);
+                            if constexpr (pairs) pair_values<HD>(vrows_raw, keys, vpairs);
 #endif
+                        }
                         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
                             __m512 s[4];
                             const float* qh = qf.data() + h0 * HD;
                             const uint32_t* qwh = qw.data() + h0 * HD / 2;
                             const int64_t nh = std::min<int64_t>(4, (g + 1) * group - h0);
                             switch (nh) {
-                                case 4: head_scores<T, HD, 4>(kt, qh, qwh, s); break;
-                                case 3: head_scores<T, HD, 3>(kt, qh, qwh, s); break;
-                                case 2: head_scores<T, HD, 2>(kt, qh, qwh, s); break;
-                                default: head_scores<T, HD, 1>(kt, qh, qwh, s); break;
+                                case 4: head_scores<T, HD, 4>(kblock, kstride, qh, qwh, s); break;
+                                case 3: head_scores<T, HD, 3>(kblock, kstride, qh, qwh, s); break;
+                                case 2: head_scores<T, HD, 2>(kblock, kstride, qh, qwh, s); break;
+                                default: head_scores<T, HD, 1>(kblock, kstride, qh, qwh, s); break;
                             }
                             for (int64_t i = 0; i < nh; ++i) {
                                 const int64_t h = h0 + i;
@@ -394,7 +411,7 @@ void decode_attention_one_pass(const T* query, const T* pool, const int64_t* pag
                                 sum[h] = sum[h] * alpha + _mm512_reduce_add_ps(e);
 #if defined(__AVX512BF16__)
                                 if constexpr (pairs) {
-                                    head_values_pairs<HD>(acc.data() + h * HD, alpha, e, vpairs, keys);
+                                    head_values_pairs<HD>(acc.data() + h * HD, alpha, e, vblock, keys);
                                     continue;
                                 }
 #endif
@@ -610,6 +627,31 @@ void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* pool, const 
                                  int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                  int64_t max_len, float scale, int threads) {
     dispatch(q, pool, pages, lengths, out, scratch, rows, width, heads, kv_heads, head_dim, block_size, max_len, scale, threads);
+}
+
+// A pool in the kv-pairs layout (kv_pairs_layout() == 1; npu/kv_pairs.py): head_dim 64 or 128, block_size a multiple
+// of 16. The caller checks both.
+void paged_decode_attention_pairs_bf16(const uint16_t* q, const uint16_t* pool, const int64_t* pages,
+                                       const int64_t* lengths, uint16_t* out, float* scratch, int64_t rows,
+                                       int64_t width, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t block_size, int64_t max_len, float scale, int threads) {
+#if defined(__AVX512BF16__)
+    if (head_dim == 64)
+        decode_attention_one_pass<uint16_t, 64, true>(q, pool, pages, lengths, out, rows, width, heads, kv_heads,
+                                                      block_size, max_len, scale, threads);
+    else
+        decode_attention_one_pass<uint16_t, 128, true>(q, pool, pages, lengths, out, rows, width, heads, kv_heads,
+                                                       block_size, max_len, scale, threads);
+#endif
+}
+
+// 1: this build reads and writes pools in the kv-pairs layout (bfloat16 dot products by AVX512-BF16).
+int kv_pairs_layout() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // The tile-unit path (decode_attention_amx): the caller checks paged_decode_amx() and the shape limits first, and

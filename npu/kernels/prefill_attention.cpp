@@ -143,6 +143,8 @@ struct Keys {
     const T* pool;                 // or a pool of [2 x pages][block_size][stride] (K plane 2p, V plane 2p + 1)
     const int64_t* pages;          // [seqs][width] page ids
     int64_t width, block_size, stride;
+    bool pairs = false;            // the pool's planes in the kv-pairs layout (npu/kernels/kv_pairs.cpp; bfloat16 with
+                                   // AVX512-BF16 alone, block_size a multiple of 16): row() does not apply
 
     // key t of sequence s: its K (which = 0) or V (1) row, kv head 0
     const T* row(int64_t s, int64_t t, int which) const {
@@ -307,8 +309,28 @@ void task_avx512(const float* q, const float* kt, const float* v, int64_t v_stri
 //      dotted with a query's broadcast pair;
 //   vp [padded len / 2][hd]: word (j, d) holds dimension d of keys 2j and 2j + 1, dotted with a row's broadcast
 //      pair of probabilities.
+// A pool in the kv-pairs layout holds each page's part of both already: a page's K words are copied a pair row at a
+// time, its V words in one piece, and what lies past len (a partly written page, the padding) is zeroed.
+void copy_bf16_pairs(const Keys<uint16_t>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, uint32_t* kp,
+                     uint32_t* vp) {
+    const int64_t lp = padded(len), hd = sh.hd, words = hd / 2, bs = keys.block_size;
+    const int64_t plane_words = bs * sh.kv_heads * hd / 2, head_words = bs * hd / 2;
+    const uint32_t* const pool = reinterpret_cast<const uint32_t*>(keys.pool);
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t page = keys.pages[s * keys.width + t0 / bs], n = std::min(bs, len - t0);
+        const uint32_t* const k = pool + 2 * page * plane_words + g * head_words;
+        for (int64_t w = 0; w < words; ++w) std::memcpy(kp + w * lp + t0, k + w * bs, n * sizeof(uint32_t));
+        std::memcpy(vp + t0 / 2 * hd, k + plane_words, (n + 1) / 2 * hd * sizeof(uint32_t));
+        if (n % 2)                                         // the last pair's second key is past len
+            for (int64_t d = 0; d < hd; ++d) vp[(t0 + n) / 2 * hd + d] &= 0xFFFFu;
+    }
+    for (int64_t w = 0; w < words; ++w) std::memset(kp + w * lp + len, 0, (lp - len) * sizeof(uint32_t));
+    std::memset(vp + (len + 1) / 2 * hd, 0, (lp / 2 - (len + 1) / 2) * hd * sizeof(uint32_t));
+}
+
 void pack_bf16_pairs(const Keys<uint16_t>& keys, int64_t s, int64_t g, int64_t len, const Shape& sh, uint32_t* kp,
                      uint32_t* vp) {
+    if (keys.pairs) return copy_bf16_pairs(keys, s, g, len, sh, kp, vp);
     const int64_t lp = padded(len), hd = sh.hd, words = hd / 2;
     for (int64_t t0 = 0; t0 < lp; t0 += 16) {               // 16 keys x 16 words, transposed in registers
         for (int64_t w0 = 0; w0 < words; w0 += 16) {
@@ -685,11 +707,13 @@ void own_keys(const T* q, const T* k, const T* v, const int64_t* starts, int64_t
 
 // Chunks after cached tokens: keys from the pool's pages ([seqs][width] ids, kv_lengths[s] keys each, the chunk's
 // own included: the runner writes them before attending).
+// pairs: the pool in the kv-pairs layout, read by the AVX512-BF16 path alone (the caller checks).
 template <typename T>
 void paged_keys(const T* q, const int64_t* starts, const T* pool, const int64_t* pages, int64_t width,
                 int64_t block_size, const int64_t* kv_lengths, int64_t seqs, T* out, void* scratch, int64_t heads,
-                int64_t kv_heads, int64_t head_dim, int64_t q_stride, float scale, int threads, int path) {
-    const Keys<T> keys{nullptr, nullptr, nullptr, pool, pages, width, block_size, kv_heads * head_dim};
+                int64_t kv_heads, int64_t head_dim, int64_t q_stride, float scale, int threads, int path,
+                bool pairs = false) {
+    const Keys<T> keys{nullptr, nullptr, nullptr, pool, pages, width, block_size, kv_heads * head_dim, pairs};
     prefill_attention(q, keys, starts, kv_lengths, seqs, out, scratch,
                       Shape{heads, kv_heads, head_dim, q_stride, kv_heads * head_dim, scale}, threads, path);
 }
@@ -741,5 +765,15 @@ void paged_prefill_attention_bf16(const uint16_t* q, const int64_t* starts, cons
                                   int64_t head_dim, int64_t q_stride, float scale, int threads, int path) {
     paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
                q_stride, scale, threads, path);
+}
+
+// The same over a pool in the kv-pairs layout: the AVX512-BF16 path, block_size a multiple of 16 (the caller checks).
+void paged_prefill_attention_pairs_bf16(const uint16_t* q, const int64_t* starts, const uint16_t* pool,
+                                        const int64_t* pages, int64_t width, int64_t block_size,
+                                        const int64_t* kv_lengths, int64_t seqs, uint16_t* out, void* scratch,
+                                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t q_stride,
+                                        float scale, int threads) {
+    paged_keys(q, starts, pool, pages, width, block_size, kv_lengths, seqs, out, scratch, heads, kv_heads, head_dim,
+               q_stride, scale, threads, kAvx512Bf16, true);
 }
 }

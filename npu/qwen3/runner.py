@@ -39,6 +39,7 @@ from appliance.core.parallel import RankPlace, TensorSlice, split
 from npu.fused_attention import FusedPagedAttention, fused_attention_op
 from npu.fused_norms import layer_norms
 from npu.graphs import DecodeGraphs, batch_buckets
+from npu.kv_pairs import KVPairsWriter, kv_pairs_writer
 from npu.linear import Projection
 from npu.paged_attention_cpu import PagedDecodeAttention, paged_decode_attention
 from npu.paged_attention_triton import TritonDecodeAttention, triton_decode_attention
@@ -98,15 +99,23 @@ class Qwen3Runner(ModelRunner):
         op = fused_attention_op(self.device, self.dtype, self.block_size)
         self.fused_attention = None if op is None else FusedPagedAttention(
             op, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, self.device)
-        # Decode rows read their pages in place: the C++ kernel on a CPU, the Triton kernel on a GPU; None: gather +
-        # SDPA (and on an NPU the fused kernel takes every row).
-        self.paged_decode: PagedDecodeAttention | TritonDecodeAttention | None = None
-        if self.fused_attention is None:
-            self.paged_decode = (paged_decode_attention if self.device.type == "cpu" else triton_decode_attention)(
-                self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         # Prefill chunks (from position 0, and after cached tokens): the CPU flash kernel where it beats SDPA.
         self.prefill_attention: CausalPrefillAttention | None = causal_prefill_attention(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        # bfloat16 on a CPU with AVX512-BF16 and no AMX: the pool in the kv-pairs layout (npu.kv_pairs), written by
+        # its writer and read by the two CPU attention kernels alone, so only where both run (no gather path reads it).
+        self.kv_pairs: KVPairsWriter | None = None
+        if self.fused_attention is None and self.device.type == "cpu" and self.prefill_attention is not None:
+            self.kv_pairs = kv_pairs_writer(self.device, self.dtype, self.num_kv_heads, self.head_dim, self.block_size)
+        # Decode rows read their pages in place: the C++ kernel on a CPU, the Triton kernel on a GPU; None: gather +
+        # SDPA (and on an NPU the fused kernel takes every row).
+        self.paged_decode: PagedDecodeAttention | TritonDecodeAttention | None = None
+        if self.fused_attention is None and self.device.type == "cpu":
+            self.paged_decode = paged_decode_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads,
+                                                       self.head_dim, self.block_size, pairs=self.kv_pairs is not None)
+        elif self.fused_attention is None:
+            self.paged_decode = triton_decode_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads,
+                                                        self.head_dim, self.block_size)
         # Chunks after cached tokens read their pages in place: the CPU kernel, else on a GPU a Triton kernel (chunks
         # from position 0 keep SDPA's causal flash kernel there); None: gather + SDPA.
         self.cached_prefill: CausalPrefillAttention | TritonPrefillAttention | None = self.prefill_attention
@@ -198,6 +207,7 @@ class Qwen3Runner(ModelRunner):
         `planes` lists the pages' K planes, then their V planes (2p, then 2p + 1); they are copied from the
         layer's contiguous storage into a buffer reused across layers and steps (a fresh multi-MB tensor per
         layer costs more in page faults on CPU than the copy)."""
+        assert self.kv_pairs is None, "a pool in the kv-pairs layout is read by the CPU attention kernels alone"
         src = self._planes(pool, layer)
         numel = planes.numel() * src.shape[1] * src.shape[2]
         if self._kv_buf.numel() < numel or self._kv_buf.dtype != src.dtype:
@@ -272,7 +282,10 @@ class Qwen3Runner(ModelRunner):
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             norms.qk_norm_rope_(qkv, nh + kvh, layer.qk_norm, rope)   # q and k heads in place: qkv is q | k | v
-            rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
+            if self.kv_pairs is not None:               # rows from page ids range-checked in StepLayout.build
+                self.kv_pairs(pool, kv_rows[li], qkv[:, nh * hd:], checked=True)
+            else:
+                rows.index_put_((kv_rows[li],), qkv[:, nh * hd:].unflatten(1, (2, half)).to(rows.dtype))
             q = qkv[:, :nh * hd].view(n, nh, hd)
             if self.fused_attention is not None and meta.fused is not None:
                 attn = self.fused_attention(q, self._planes(pool, li), meta.fused)
@@ -356,8 +369,10 @@ class Qwen3Runner(ModelRunner):
                 continue
             cached = self.cached_prefill
             if cached is not None and p.pages is not None and pool.dtype == self.dtype:   # the pages in place
-                parts.append(cached.paged(rows[:, :nh * hd], self._planes(pool, li), p.pages, p.ctx, p.length,
-                                          checked=True))          # page ids range-checked in StepLayout.build
+                planes = self._planes(pool, li)         # page ids range-checked in StepLayout.build
+                parts.append(cached.paged(rows[:, :nh * hd], planes, p.pages, p.ctx, p.length, checked=True, pairs=True)
+                             if self.kv_pairs is not None and isinstance(cached, CausalPrefillAttention) else
+                             cached.paged(rows[:, :nh * hd], planes, p.pages, p.ctx, p.length, checked=True))
                 continue
             chunk = rows.view(p.count, p.length, nh + 2 * kvh, hd)
             qp = chunk[:, :, :nh].transpose(1, 2)      # [count, nh, len, hd]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from appliance.config.compose import load_runtime_config
 from npu.cpu_kernels import load
+from npu.kv_pairs import LAYOUT_SWITCH
 from npu.prefill_attention_cpu import (
     AMX,
     AVX512,
@@ -248,7 +249,8 @@ def chunked_prefills(rng: random.Random) -> list[StepBatch]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_runner_sends_prefill_chunks_to_the_kernel_and_matches_sdpa(dtype):
+def test_the_cpu_runner_sends_prefill_chunks_to_the_kernel_and_matches_sdpa(dtype, monkeypatch):
+    monkeypatch.setenv(LAYOUT_SWITCH, "rows")      # SDPA gathers rows-layout pages (the kv-pairs layout: test_kv_pairs)
     name = str(dtype).split(".")[1]
     rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256",
                               f"model.layout.dtype={name}", f"model.cache_groups.0.row.dtype={name}"])
