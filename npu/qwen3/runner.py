@@ -4,6 +4,9 @@ Pool "kv": [num_layers, pages, block_size, 2 * kv_heads * head_dim]. A page hold
 of its block_size tokens, then their V rows ([2, block_size, kv_heads * head_dim]), so one layer's pool
 viewed as [2 * pages, block_size, kv_heads * head_dim] is a contiguous paged cache with page p's K at
 block 2p and its V at 2p + 1: what a fused paged-attention kernel reads in place (npu.fused_attention).
+In bfloat16 on a CPU with AVX512-BF16 and no AMX the planes keep their elements in the kv-pairs order instead
+(npu.kv_pairs: K as dimension pairs across a page's keys, V as key pairs), written by its C++ writer and read by the
+two CPU attention kernels alone.
 A step flattens every sequence's tokens into one [N, hidden] batch for the projections and the MLP:
 decode tokens first, then prefill chunks. Everything shared by the layers (token rows in the pool,
 rope cos/sin, masks, page lists) is built once per step from one host tensor (StepMeta). Norms, q/k
