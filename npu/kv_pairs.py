@@ -1,13 +1,14 @@
-"""The kv-pairs layout of a bfloat16 KV pool on a CPU: each page keeps its K as dimension pairs across its keys and its V
-as key pairs across its dimensions, the order the AVX512-BF16 attention kernels compute in, so they read pages as they
-lie instead of reordering every page on every read.
+"""The kv-pairs layout of a bfloat16 KV pool on a CPU: each page keeps its K as dimension pairs across its keys and its
+V as key pairs across its dimensions, the order the AVX512-BF16 attention kernels compute in, so they read pages as
+they lie instead of reordering every page on every read.
 
 Why: `_mm512_dpbf16_ps` multiplies pairs of bfloat16. The decode kernel's scores want 16 keys' dimension pair w in
 one vector, and its P.V wants dimension d of two keys in one word; in the rows layout (a token's K row, then the next
 token's) each 16-key block was transposed (K) and interleaved (V) per kv head on every decode step, although a token
-is written once and read by every later step. Moving that to the write took one decode-attention call of a 12 x 1024
-bf16 model (64 rows x 212 tokens, 16 / 4 heads x 64, pools from DRAM, 2 threads, AMD EPYC Zen 4) from 1.16 to 0.80
-ms (BENCHMARKS: "The kv-pairs layout").
+is written once and read by every later step. Moving that to the write, in a 12 x 1024 bf16 model's decode steps (64
+rows x 192-222 tokens, 16 / 4 heads x 64, 2 threads, AMD EPYC Zen 4; two runners taking steps in turn in one process,
+bench/ab_kv_layout.py): 0.68-0.96 -> 0.65-0.74 ms per layer call over three runs, the step 1-2.5% shorter (1.27 ->
+0.78 ms when the kernel still requested its next page into L1; BENCHMARKS "The decode attention on the AMD EPYC").
 
 The layout: the pool's shape, size and pages are the rows layout's ([layers, pages, block_size, 2 x kv_heads x
 head_dim]; one layer's planes [2 x pages, block_size, kv_heads x head_dim], page p's K plane at 2p and its V plane
@@ -27,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -47,7 +48,7 @@ def asked_layout() -> KVLayout | None:
     if chosen not in (None, "pairs", "rows"):
         raise EnvironmentSettingError(f"{LAYOUT_SWITCH}={chosen!r}: expected pairs or rows (unset it for the "
                                       f"measured default)")
-    return chosen
+    return cast(KVLayout | None, chosen)
 
 
 class KVPairsWriter:

@@ -22,7 +22,8 @@ inline void write_row(uint16_t* pool, int64_t row, const uint16_t* src, int64_t 
         uint32_t* const dst = reinterpret_cast<uint32_t*>(base);
         const uint32_t* const words = reinterpret_cast<const uint32_t*>(src);
         for (int64_t g = 0; g < kv_heads; ++g)
-            for (int64_t w = 0; w < hd / 2; ++w) dst[(g * head_size + 2 * w * block_size) / 2 + t] = words[g * hd / 2 + w];
+            for (int64_t w = 0; w < hd / 2; ++w)
+                dst[(g * head_size + 2 * w * block_size) / 2 + t] = words[g * hd / 2 + w];
     } else {                                                // V: dim d of key t at element (t / 2) * 2hd + 2d + t % 2
         uint16_t* const dst = base + (t / 2) * 2 * hd + t % 2;
         for (int64_t g = 0; g < kv_heads; ++g)

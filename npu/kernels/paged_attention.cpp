@@ -6,7 +6,8 @@
 // heads / kv_heads query heads (GQA). Scores, softmax and sums are float32 for bf16 and fp32 alike.
 //
 // One task is one row (or, with fewer rows than threads, a row's share of its kv heads); tasks are split over the
-// caller's OpenMP threads (the libgomp torch has loaded, so one thread pool). Three paths:
+// caller's OpenMP threads (the libgomp torch has loaded, so one thread pool). A bfloat16 pool may instead be in the
+// kv-pairs layout (npu/kernels/kv_pairs.cpp), which paged_decode_attention_pairs_bf16 reads. Three paths:
 // - decode_attention_one_pass (AVX-512, head_dim 64 or 128: every model this project ships): one pass over the row's
 //   pages with an online softmax, 16 keys at a time (below);
 // - decode_attention (any head_dim, any x86-64): two passes, scores then P.V; a page's K (then V) plane converted to
@@ -187,7 +188,8 @@ void decode_attention(const T* query, const T* pool, const int64_t* pages, const
 // buffers (AMD EPYC Zen 4, in a model's decode steps, bench/ab_decode_attention.py: 12 x 1024 bf16 at 64 rows x 192-232
 // keys 1.11 -> 0.73 ms per layer call, 6 x 768 float32 1.24 -> 0.98; pages one or two ahead were slower either way).
 // A pool in the kv-pairs layout (PAIRED) skips both reorderings: the block's K^T and V pairs are the page's own words.
-// AMD EPYC, 12 x 1024 bf16 (16 / 4 heads), 64 rows x 212 tokens, pools from DRAM: 1.16 -> 0.80 ms per layer call.
+// AMD EPYC, 12 x 1024 bf16 (16 / 4 heads), 64 rows x 192-222 keys, two runners taking decode steps in turn
+// (bench/ab_kv_layout.py, three runs): 0.68-0.96 -> 0.65-0.74 ms per layer call, the step 1-2.5% shorter.
 constexpr int64_t kPagesAhead = 1;      // the page whose lines are requested while this one is read
 
 // 16 float32 of a bfloat16 or float32 row.
@@ -307,8 +309,8 @@ inline void head_values_pairs(float* acc, float alpha, __m512 e, const uint16_t*
 }
 #endif
 
-// PAIRED (bfloat16 with AVX512-BF16 only): the pool keeps its pages in the kv-pairs layout (kv_pairs below), so a
-// block's K^T and V pairs are read where they lie instead of built per call.
+// PAIRED (bfloat16 with AVX512-BF16 only): the pool keeps its pages in the kv-pairs layout (npu/kernels/kv_pairs.cpp),
+// so a block's K^T and V pairs are read where they lie instead of built per call.
 template <typename T, int HD, bool PAIRED = false>
 void decode_attention_one_pass(const T* query, const T* pool, const int64_t* pages, const int64_t* lengths, T* out,
                                int64_t rows, int64_t width, int64_t heads, int64_t kv_heads, int64_t block_size,

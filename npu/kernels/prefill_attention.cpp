@@ -5,8 +5,9 @@
 // q + h * head_dim); sequence s is q rows starts[s] .. starts[s + 1]; out is [rows, heads, head_dim]. Its keys
 // (struct Keys) are either its own (chunks from position 0: k and v rows of the same activations, kv head g at
 // k + g * head_dim) or the first kv_lengths[s] tokens of its pages in a paged pool (chunks after cached tokens; the
-// pool already holds the chunk's own). The rows are the sequence's last positions: row i attends to keys
-// 0 .. kv_length - rows + i. Query head h reads kv head h / (heads / kv_heads).
+// pool already holds the chunk's own; a bfloat16 pool in the kv-pairs layout, npu/kernels/kv_pairs.cpp, is read by
+// the AVX512-BF16 path, which copies its words instead of packing them). The rows are the sequence's last positions:
+// row i attends to keys 0 .. kv_length - rows + i. Query head h reads kv head h / (heads / kv_heads).
 //
 // Two phases in one parallel region: (1) every (sequence, kv head)'s K (and, for the bfloat16 paths or from pages,
 // V) is packed into the caller's `scratch` (a torch tensor, so the startup profile counts it: keys rounded up to 32

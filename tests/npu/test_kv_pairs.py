@@ -16,6 +16,7 @@ from npu.paged_attention_cpu import PagedDecodeAttention
 from npu.prefill_attention_cpu import AVX512_BF16, CausalPrefillAttention, available_paths
 from npu.qwen3.runner import Qwen3Runner
 from npu.step import SeqStep, StepBatch
+from tests.npu.test_paged_attention_cpu import LENGTHS, scattered
 from tests.support.threads import on_threads
 
 LIB = kernels_for(torch.device("cpu"), torch.bfloat16, "tests")
@@ -86,26 +87,14 @@ def test_the_writer_refuses_rows_outside_the_pool_or_in_the_wrong_plane():
     assert pool.ne(0).sum() == 2 * 128                               # one token's K and V, nothing else
 
 
-LENGTHS = (1, 15, 16, 17, 31, 50, 200)
-
-
-def pool_of_rows(kv_heads, head_dim, block_size, seed):
-    """Rows of LENGTHS over shuffled pages of a 72-page pool, NaN in each last page's unwritten rows and in a page
-    that pads every table."""
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(2 * 72, block_size, kv_heads * head_dim, generator=g).to(torch.bfloat16)
-    poison = 71
-    pool[2 * poison:] = float("nan")
-    width = max(-(-n // block_size) for n in LENGTHS) + 1
-    free = list(range(poison))
-    random.Random(seed).shuffle(free)
-    table = torch.full((len(LENGTHS), width), poison, dtype=torch.long)
+def pool_of_rows(heads, kv_heads, head_dim, block_size, seed):
+    """test_paged_attention_cpu's scattered rows (a NaN page padding every table), with NaN in each last page's
+    unwritten rows too."""
+    query, pool, table, lengths = scattered(torch.bfloat16, heads, kv_heads, head_dim, block_size, seed)
     for r, n in enumerate(LENGTHS):
-        for i in range(-(-n // block_size)):
-            table[r, i] = free.pop()
         last = int(table[r, (n - 1) // block_size])
         pool[2 * last:2 * last + 2, (n - 1) % block_size + 1:] = float("nan")
-    return pool, table
+    return query, pool, table, lengths
 
 
 @needs_pairs
@@ -114,9 +103,7 @@ def pool_of_rows(kv_heads, head_dim, block_size, seed):
 def test_decode_over_pairs_is_the_rows_kernel_bit_for_bit(heads, kv_heads, head_dim, block_size):
     """The same products in the same order, read from where they lie: equal bits to the one-pass AVX512-BF16 path
     over the rows layout, NaN past every row's length never read, at 1 and 2 threads."""
-    pool, table = pool_of_rows(kv_heads, head_dim, block_size, seed=heads)
-    query = torch.randn(len(LENGTHS), heads, head_dim).to(torch.bfloat16)
-    lengths = torch.tensor(LENGTHS)
+    query, pool, table, lengths = pool_of_rows(heads, kv_heads, head_dim, block_size, seed=heads)
     rows_op = PagedDecodeAttention(load(), torch.bfloat16, heads, kv_heads, head_dim, block_size, tiles=False)
     pairs_op = PagedDecodeAttention(load(), torch.bfloat16, heads, kv_heads, head_dim, block_size, pairs=True)
     want = rows_op(query, pool, table, lengths)
