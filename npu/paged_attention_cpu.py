@@ -63,8 +63,9 @@ class PagedDecodeAttention:
     def __call__(self, query: torch.Tensor, planes: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor,
                  checked_longest: int | None = None) -> torch.Tensor:
         """query [rows, heads, head_dim]; planes: one layer's pool as [2 x pages, block_size, kv_heads x head_dim]
-        (page p's K plane at 2p, its V plane at 2p + 1; in the kv-pairs layout where this kernel was made for it); pages [rows, width] int64 page ids, padded anywhere past
-        a row's length; lengths [rows] int64, tokens each row attends to. Returns [rows, heads, head_dim].
+        (page p's K plane at 2p, its V plane at 2p + 1; in the kv-pairs layout where this kernel was made for it);
+        pages [rows, width] int64 page ids, padded anywhere past a row's length; lengths [rows] int64, tokens each
+        row attends to. Returns [rows, heads, head_dim].
 
         Everything the kernel would index with is checked first (two reductions, a few microseconds): a bad
         page id or length is a ValueError here, never a read outside the pool. A caller that has range-checked

@@ -108,7 +108,9 @@ class Qwen3Runner(ModelRunner):
         # bfloat16 on a CPU with AVX512-BF16 and no AMX: the pool in the kv-pairs layout (npu.kv_pairs), written by
         # its writer and read by the two CPU attention kernels alone, so only where both run (no gather path reads it).
         self.kv_pairs: KVPairsWriter | None = None
-        if self.fused_attention is None and self.device.type == "cpu" and self.prefill_attention is not None:
+        pool_dtype = next(self.pool_dtype(spec) for spec in self.cache_specs if spec.name == KV)
+        if self.fused_attention is None and self.device.type == "cpu" and self.prefill_attention is not None \
+                and pool_dtype == self.dtype:
             self.kv_pairs = kv_pairs_writer(self.device, self.dtype, self.num_kv_heads, self.head_dim, self.block_size)
         # Decode rows read their pages in place: the C++ kernel on a CPU, the Triton kernel on a GPU; None: gather +
         # SDPA (and on an NPU the fused kernel takes every row).

@@ -150,13 +150,13 @@ def test_paged_prefill_over_pairs_is_the_rows_kernel_bit_for_bit(count, context,
     assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
-def bf16_runner(monkeypatch, layout: str | None) -> Qwen3Runner:
+def bf16_runner(monkeypatch, layout: str | None, row_dtype: str = "bfloat16") -> Qwen3Runner:
     if layout is None:
         monkeypatch.delenv(LAYOUT_SWITCH, raising=False)
     else:
         monkeypatch.setenv(LAYOUT_SWITCH, layout)
     rc = load_runtime_config(["+model=qwen3_tiny", "model.layout.head_dim=64", "model.cache_groups.0.row.width=256",
-                              "model.layout.dtype=bfloat16", "model.cache_groups.0.row.dtype=bfloat16"])
+                              "model.layout.dtype=bfloat16", f"model.cache_groups.0.row.dtype={row_dtype}"])
     return Qwen3Runner(rc.model, "cpu")
 
 
@@ -204,13 +204,14 @@ def cpu_flags() -> set[str]:
 @pytest.mark.skipif(LIB is None, reason="the kernel build")
 def test_the_layout_is_chosen_by_the_cpu_and_the_switch(monkeypatch):
     """pairs by default exactly where the CPU has AVX512-BF16 and the tile unit is not granted; rows=rows always;
-    pairs where asked and the CPU can; a typo names the switch; float32 pools stay in rows."""
+    pairs where asked and the CPU can, for a bfloat16 pool; a typo names the switch; float32 pools stay in rows."""
     flags = cpu_flags()
     default = bf16_runner(monkeypatch, None)
     assert (default.kv_pairs is not None) == ("avx512_bf16" in flags and not amx_granted(LIB))
     assert default.paged_decode is not None and default.paged_decode.pairs == (default.kv_pairs is not None)
     assert bf16_runner(monkeypatch, "rows").kv_pairs is None
     assert (bf16_runner(monkeypatch, "pairs").kv_pairs is not None) == ("avx512_bf16" in flags)
+    assert bf16_runner(monkeypatch, "pairs", row_dtype="float32").kv_pairs is None       # a float32 pool: rows
     with pytest.raises(EnvironmentSettingError, match=LAYOUT_SWITCH):
         bf16_runner(monkeypatch, "pair")
     monkeypatch.delenv(LAYOUT_SWITCH)
