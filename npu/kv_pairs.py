@@ -51,13 +51,24 @@ def asked_layout() -> KVLayout | None:
     return cast(KVLayout | None, chosen)
 
 
+def pairs_refused(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int, block_size: int) -> str | None:
+    """Why the kernels cannot write or read this pool in the kv-pairs layout, or None: the one check the writer and
+    both attention kernels make."""
+    lib.kv_pairs_layout.restype = ctypes.c_int
+    return ("the kernels are built without AVX512-BF16" if not lib.kv_pairs_layout()
+            else f"it holds bfloat16, not {dtype}" if dtype != torch.bfloat16
+            else f"head_dim {head_dim} is not 64 or 128" if head_dim not in HEAD_DIMS
+            else f"block_size {block_size} is not a multiple of 16" if block_size % 16
+            else None)
+
+
 class KVPairsWriter:
     """Writes a step's K and V rows into a pool in the kv-pairs layout (what rows.index_put_ does in the rows one)."""
 
     def __init__(self, lib: ctypes.CDLL, num_kv_heads: int, head_dim: int, block_size: int):
-        if head_dim not in HEAD_DIMS or block_size % 16:
-            raise ValueError(f"kv-pairs layout: head_dim {head_dim} (64 or 128), block_size {block_size} (a multiple "
-                             f"of 16)")
+        refused = pairs_refused(lib, torch.bfloat16, head_dim, block_size)
+        if refused:
+            raise ValueError(f"kv-pairs layout: {refused}")
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.fn = lib.kv_pairs_write_bf16
         self.fn.restype = None
@@ -101,12 +112,8 @@ def kv_pairs_writer(device: torch.device, dtype: torch.dtype, num_kv_heads: int,
     lib = kernels_for(device, dtype, "KV pool in the rows layout")
     if lib is None:
         return None
-    lib.kv_pairs_layout.restype = ctypes.c_int
-    why = ("the kernels are built without AVX512-BF16" if not lib.kv_pairs_layout()
-           else f"head_dim {head_dim} is not 64 or 128" if head_dim not in HEAD_DIMS
-           else f"block_size {block_size} is not a multiple of 16" if block_size % 16
-           else "the decode kernel's AMX tiles read the rows layout" if asked is None and amx_granted(lib)
-           else None)
+    why = (pairs_refused(lib, dtype, head_dim, block_size)
+           or ("the decode kernel's AMX tiles read the rows layout" if asked is None and amx_granted(lib) else None))
     if why is not None:
         log.info("KV pool in the rows layout: %s", why)
         return None

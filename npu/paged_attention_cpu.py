@@ -31,6 +31,7 @@ import ctypes
 import torch
 
 from npu.cpu_kernels import amx_granted, entry, kernels_for, ptr
+from npu.kv_pairs import pairs_refused
 
 
 class PagedDecodeAttention:
@@ -45,12 +46,9 @@ class PagedDecodeAttention:
         self.scale = ctypes.c_float(head_dim ** -0.5)
         self.pairs = pairs
         if pairs:
-            lib.kv_pairs_layout.restype = ctypes.c_int
-            if tiles or dtype != torch.bfloat16 or not lib.kv_pairs_layout() or head_dim not in (64, 128) \
-                    or block_size % 16:
-                raise ValueError(f"paged decode attention over the kv-pairs layout takes bfloat16 on a build with "
-                                 f"AVX512-BF16, head_dim 64 or 128 and block_size a multiple of 16, not tiles={tiles}, "
-                                 f"{dtype}, {head_dim}, {block_size}")
+            refused = "it never runs on tiles" if tiles else pairs_refused(lib, dtype, head_dim, block_size)
+            if refused:
+                raise ValueError(f"paged decode attention over the kv-pairs layout: {refused}")
             self.tiles, self.fn = False, lib.paged_decode_attention_pairs_bf16
         else:
             applies, why = amx_applies(lib, dtype, num_heads, num_kv_heads, head_dim, block_size)

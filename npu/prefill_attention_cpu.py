@@ -26,6 +26,7 @@ import logging
 import torch
 
 from npu.cpu_kernels import entry, kernels_for, ptr
+from npu.kv_pairs import pairs_refused
 
 log = logging.getLogger("npu.prefill_attention_cpu")
 
@@ -47,7 +48,8 @@ class CausalPrefillAttention:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                  path: int):
-        if path not in available_paths(lib):
+        self.lib, self.paths = lib, available_paths(lib)
+        if path not in self.paths:
             raise ValueError(f"prefill attention path {path} is not available on this CPU / build")
         refused = path_refuses(path, dtype, head_dim)
         if refused or num_heads % num_kv_heads:
@@ -57,7 +59,6 @@ class CausalPrefillAttention:
         self.paged_fn = entry(lib, "paged_prefill_attention", dtype)
         self.pairs_fn = lib.paged_prefill_attention_pairs_bf16       # pools in the kv-pairs layout (npu.kv_pairs)
         self.pairs_fn.restype = None
-        self.paths = available_paths(lib)
         self.dtype, self.path = dtype, path
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = ctypes.c_float(head_dim ** -0.5)
@@ -106,9 +107,9 @@ class CausalPrefillAttention:
                              f"{planes.dtype}, pages {tuple(pages.shape)} {pages.dtype}, {count} chunks of {length} "
                              f"rows over {context} tokens do not fit a {self.dtype} kernel of {nh} heads x {hd}, "
                              f"{kvh} kv heads")
-        if pairs and (self.dtype != torch.bfloat16 or AVX512_BF16 not in self.paths or block_size % 16):
-            raise ValueError(f"paged prefill attention over the kv-pairs layout takes bfloat16 on a build with "
-                             f"AVX512-BF16 and block_size a multiple of 16, not {self.dtype}, {block_size}")
+        refused = pairs_refused(self.lib, self.dtype, hd, block_size) if pairs else None
+        if refused:
+            raise ValueError(f"paged prefill attention over the kv-pairs layout: {refused}")
         if not checked:
             low, high = (int(v) for v in torch.aminmax(pages[:, :-(-context // block_size)]))
             if low < 0 or 2 * high + 1 >= planes.shape[0]:
