@@ -18,6 +18,11 @@ ignored, in this order:
   decode tok/s = B x 128 / (the difference of the two calls' times), so prefill and start-up cancel;
 - prefill: 8 prompts of 512 ids generating 1 token: prompt tok/s;
 - start-up: process start to a system that can generate (imports, weights, vLLM's compile and KV cache).
+Before each run's systems of a shape and dtype, bench/workload_ceiling.py measures the host's rates (a matrix
+product's, the GEMM kernel's, a DRAM read's) and gives the workload's ceiling: the tok/s of its arithmetic and bytes
+at those rates, above what any engine reaches. Each system's workload figure is reported as a share of the ceiling
+of its own run, and so is the most an engine at the ceiling could lead vLLM by: on a shared host whose rates drift
+by 10-20% between minutes, each figure against what the host allowed in its run (--no-ceiling leaves it out).
 Systems are interleaved run by run (run 1 of each shape, dtype and system, then run 2, ...); every figure is
 the median of the runs with [min-max]. vLLM keeps its compile cache in WORKDIR, so its run 1 starts with an
 empty cache and later runs reuse it (both start-up figures reported). fp32 greedy tokens of the cold
@@ -56,6 +61,7 @@ from peer_shapes import EOS, VOCAB, Shape, add_shapes_argument, checkpoint  # no
 from report import cpu_and_load, machine_line  # noqa: E402
 
 WORKER = BENCH / "peer_workers.py"
+CEILING = BENCH / "workload_ceiling.py"
 SHIM = BENCH / "peers_shim"            # hides the vLLM venv's broken CUDA torchvision / torchaudio
 SYSTEMS = ("appliance", "vllm", "hf")
 DTYPES = ("bfloat16", "float32")
@@ -164,6 +170,17 @@ def run_worker(system: str, python: str, env: dict[str, str], spec: dict, tag: s
     return result
 
 
+def measure_ceiling(model: str, dtype: str, workload: "Workload", tag: str, args) -> dict:
+    """workload_ceiling.py's rates and the workload's ceiling, measured now (nothing else of the benchmark runs)."""
+    out = Path(args.workdir) / f"{tag}.ceiling.json"
+    with open(Path(args.workdir) / f"{tag}.ceiling.log", "w") as log:
+        rc = subprocess.run([sys.executable, str(CEILING), "--model", model, "--dtype", dtype, "--threads",
+                             str(args.threads), "--requests", str(workload.requests), "--prompt-len",
+                             str(workload.prompt_len), "--gen-len", str(workload.gen_len), "--concurrency", "",
+                             "--json", str(out)], stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
+    return json.loads(out.read_text()) if rc == 0 and out.exists() else {"error": f"{tag}: workload_ceiling rc={rc}"}
+
+
 def median_range(values: list[float], fmt: str = "{:,.0f}") -> str:
     values = [v for v in values if not math.isnan(v)]
     if not values:
@@ -182,8 +199,48 @@ def ratio(own: list[float], peer: list[float]) -> str:
     return f"{statistics.median(own) / statistics.median(peer):.2f}x" if own and peer else "-"
 
 
+def report_ceiling(shape: Shape, results: dict[tuple[str, str], list[dict]], ceilings: dict[str, list[dict]],
+                   metrics: dict[tuple[str, str], list[dict[str, float]]], systems: list[str], args) -> None:
+    """Each system's cold and warm workload tok/s as a share of its run's ceiling, and what the ceiling allows
+    against vLLM, run by run (a run whose system or ceiling failed is left out of that figure)."""
+    print(f"\nShare of the host's ceiling (bench/workload_ceiling.py before each run; median [min-max] over runs), "
+          f"shape {shape.name}:\n")
+    print("| dtype | ceiling tok/s | peak GFLOP/s | DRAM GB/s |" + "".join(f" {s} cold / warm |" for s in systems)
+          + (" at the ceiling vs vLLM, cold / warm |" if "vllm" in systems else ""))
+    print("|---|---:|---:|---:|" + "---:|" * (len(systems) + ("vllm" in systems)))
+    for dtype in args.dtypes:
+        runs = ceilings.get(dtype, [])
+        ok = [c for c in runs if "error" not in c]
+        if not ok:
+            print(f"| {dtype} | - | - | - |" + " - |" * (len(systems) + ("vllm" in systems)))
+            continue
+
+        def shares(system: str, phase: str, inverse: bool = False) -> list[float]:
+            out = []
+            for i, c in enumerate(runs):
+                rs = results.get((system, dtype), [])
+                if "error" in c or i >= len(rs) or "error" in rs[i]:
+                    continue
+                tps = metrics[(system, dtype)][sum("error" not in r for r in rs[:i])][f"{phase}_tok_s"]
+                out.append(c["offline_tok_s"] / tps if inverse else tps / c["offline_tok_s"])
+            return out
+
+        row = (f"| {dtype} | {median_range([c['offline_tok_s'] for c in ok])} | "
+               f"{median_range([c['peak_gflops'] for c in ok])} | "
+               f"{median_range([c['dram_gbps'] for c in ok], '{:.1f}')} |")
+        for system in systems:
+            row += (f" {median_range([100 * x for x in shares(system, 'cold')], '{:.0f}%')} / "
+                    f"{median_range([100 * x for x in shares(system, 'warm')], '{:.0f}%')} |")
+        if "vllm" in systems:
+            row += (f" {median_range(shares('vllm', 'cold', True), '{:.2f}x')} / "
+                    f"{median_range(shares('vllm', 'warm', True), '{:.2f}x')} |")
+        print(row)
+    print("(the ceiling: the workload's arithmetic at the best of a large matrix product's and the GEMM kernel's rate "
+          "and its bytes at the DRAM rate, step by step; nothing for the rest of an engine)")
+
+
 def report(shape: Shape, results: dict[tuple[str, str], list[dict]], workload: Workload, systems: list[str],
-           args) -> None:
+           args, ceilings: dict[str, list[dict]] | None = None) -> None:
     """One shape's section: the workload cold and warm, steady-state decode and prefill, start-up, agreement."""
     runs_of = {key: [r for r in rs if "error" not in r] for key, rs in results.items()}
     metrics = {key: [workload.metrics({c["name"]: c for c in r["calls"]}) for r in rs] for key, rs in runs_of.items()}
@@ -206,6 +263,8 @@ def report(shape: Shape, results: dict[tuple[str, str], list[dict]], workload: W
         print(row)
     print("(cold: the first generate call after the system started in its process; warm: the same workload next, "
           "fresh prompts)")
+    if ceilings:
+        report_ceiling(shape, results, ceilings, metrics, systems, args)
 
     batches = workload.decode_batches
     print(f"\nSteady-state decode tok/s (batch B, {workload.prompt_len}-id prompts, {workload.decode_steps} decode "
@@ -266,6 +325,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--worker-timeout", type=int, default=900)
     ap.add_argument("--appliance-overrides", nargs="*", default=[], help="more Hydra overrides for the appliance")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="leave out the host's rates and the workload's ceiling before each run")
     args = ap.parse_args()
     workload = QUICK if args.quick else Workload()
     if args.quick:
@@ -306,9 +367,17 @@ def main() -> None:
     calls = workload.calls()
     print(f"{machine_line()}; {cpu_and_load()}; workdir {args.workdir}", flush=True)
     results: dict[str, dict[tuple[str, str], list[dict]]] = {shape.name: {} for shape in args.shapes}
+    ceilings: dict[str, dict[str, list[dict]]] = {shape.name: {} for shape in args.shapes}
     for run in range(1, args.runs + 1):
         for shape in args.shapes:
             for dtype in args.dtypes:
+                if args.ceiling:
+                    c = measure_ceiling(models[(shape.name, dtype)], dtype, workload,
+                                        f"{shape.name}-{dtype}-run{run}", args)
+                    ceilings[shape.name].setdefault(dtype, []).append(c)
+                    print(f"run {run} {shape.name} {dtype:8} ceiling: " + (c["error"] if "error" in c else
+                          f"{c['offline_tok_s']:,.0f} tok/s (peak {c['peak_gflops']:.0f} GFLOP/s, DRAM "
+                          f"{c['dram_gbps']:.1f} GB/s)"), flush=True)
                 spec = {"model": models[(shape.name, dtype)], "dtype": dtype, "threads": args.threads, "eos": EOS,
                         "max_model_len": args.max_model_len, "calls": calls,
                         "appliance_overrides": args.appliance_overrides}
@@ -328,7 +397,7 @@ def main() -> None:
     for system, why in skipped.items():
         print(f"not run: {system}: {why}")
     for shape in args.shapes:
-        report(shape, results[shape.name], workload, systems, args)
+        report(shape, results[shape.name], workload, systems, args, ceilings[shape.name])
     all_runs = [r for by_key in results.values() for rs in by_key.values() for r in rs]
     infos = {s: r["info"] for (s, _), rs in next(iter(results.values())).items() for r in rs if "error" not in r}
     print()

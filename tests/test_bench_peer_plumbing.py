@@ -57,3 +57,21 @@ def test_serve_peers_has_a_row_per_concurrency_with_scaled_requests():
     assert [row.split(" | ")[1:4] for row in rows] == [
         [str(w.concurrency), str(w.requests), system] for w in works for system in bench_serve_peers.SYSTEMS]
     assert bench_serve_peers.agreement(sessions) == "3 of 3"
+
+
+def test_each_runs_figure_is_a_share_of_its_own_runs_ceiling(capsys):
+    shape = peer_shapes.SHAPES["4x512"]
+    args = bench_peers.argparse.Namespace(dtypes=["bfloat16"])
+    ceilings = {"bfloat16": [{"offline_tok_s": 1000.0, "peak_gflops": 400.0, "dram_gbps": 30.0},
+                             {"offline_tok_s": 800.0, "peak_gflops": 380.0, "dram_gbps": 28.0}]}
+    results = {("appliance", "bfloat16"): [{}, {}], ("vllm", "bfloat16"): [{"error": "rc=1"}, {}]}
+    metrics = {("appliance", "bfloat16"): [{"cold_tok_s": 500.0, "warm_tok_s": 600.0},
+                                          {"cold_tok_s": 480.0, "warm_tok_s": 400.0}],
+               ("vllm", "bfloat16"): [{"cold_tok_s": 400.0, "warm_tok_s": 320.0}]}    # its run 1 failed
+    bench_peers.report_ceiling(shape, results, ceilings, metrics, ["appliance", "vllm"], args)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| bfloat16 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["bfloat16", "900 [800-1,000]", "390 [380-400]", "29.0 [28.0-30.0]",
+                     "55% [50%-60%] / 55% [50%-60%]",        # 500 / 1,000 and 480 / 800; 600 / 1,000 and 400 / 800
+                     "50% / 40%",                            # vLLM's run 2 against run 2's ceiling only
+                     "2.00x / 2.50x"]                        # 800 / 400 and 800 / 320
