@@ -170,7 +170,7 @@ def run_worker(system: str, python: str, env: dict[str, str], spec: dict, tag: s
     return result
 
 
-def measure_ceiling(model: str, dtype: str, workload: "Workload", tag: str, args) -> dict:
+def measure_ceiling(model: str, dtype: str, workload: Workload, tag: str, args) -> dict:
     """workload_ceiling.py's rates and the workload's ceiling, measured now (nothing else of the benchmark runs)."""
     out = Path(args.workdir) / f"{tag}.ceiling.json"
     with open(Path(args.workdir) / f"{tag}.ceiling.log", "w") as log:

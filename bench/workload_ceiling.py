@@ -62,15 +62,14 @@ class Dense:
     kv_heads: int
     head_dim: int
     vocab: int
-    weight_bytes: int            # bytes per weight value
-    kv_bytes: int                # bytes per K or V value
+    value_bytes: int             # bytes per weight, K or V value (the pool in the model's dtype, as the peers run)
 
     @staticmethod
-    def of(config: dict, weight_bytes: int) -> Dense:
+    def of(config: dict, value_bytes: int) -> Dense:
         heads = config["num_attention_heads"]
         return Dense(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"], heads,
                      config.get("num_key_value_heads", heads), config.get("head_dim") or config["hidden_size"] // heads,
-                     config["vocab_size"], weight_bytes, weight_bytes)
+                     config["vocab_size"], value_bytes)
 
     @property
     def layer_weights(self) -> int:
@@ -84,7 +83,7 @@ class Dense:
 
     @property
     def all_weight_bytes(self) -> int:
-        return (self.layers * self.layer_weights + self.head_weights) * self.weight_bytes
+        return (self.layers * self.layer_weights + self.head_weights) * self.value_bytes
 
     def token_flops(self, keys: float) -> float:
         """One token through every layer, attending over `keys` keys (the head not included)."""
@@ -92,7 +91,7 @@ class Dense:
 
     def kv_read(self, keys: float) -> float:
         """Bytes of K and V one decode row reads over `keys` keys."""
-        return 2.0 * self.layers * self.kv_heads * self.head_dim * keys * self.kv_bytes
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * keys * self.value_bytes
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ def test_a_steps_bytes_are_the_checkpoints_projection_and_head_weights(ckpt):
         state.update(load_file(f))
     read = sum(t.numel() * t.element_size() for name, t in state.items()
                if t.dim() == 2 and "embed_tokens" not in name)          # the embedding's rows are gathered, not read
-    assert read == dense(ckpt).all_weight_bytes
     m = dense(ckpt)
+    assert read == m.all_weight_bytes
     assert m.kv_read(10) == 2 * m.layers * m.kv_heads * m.head_dim * 10 * 4
 
 
