@@ -33,6 +33,7 @@ from appliance.core.kv_cache_spec import CacheGroupSpec
 from appliance.core.parallel import RankPlace, TensorSlice
 from appliance.core.step_limits import StepShape
 from npu.collectives import Collective
+from npu.huge_pages import advise_huge_pages
 from npu.step import FedTokens, SeqStep, StepBatch, step_rows
 from npu.weights import as_expected_dtype, held_shapes, load_state_dict, random_state_dict
 
@@ -157,8 +158,11 @@ class ModelRunner(ABC):
         self.num_scratch = num_scratch
 
     def empty_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A pool's memory as the device gives it (tests override this to start pools full of NaN)."""
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        """A pool's memory as the device gives it (tests override this to start pools full of NaN); on a CPU, on
+        2 MiB pages where the host grants them (npu.huge_pages: asked before the first write)."""
+        pool = torch.empty(shape, dtype=dtype, device=self.device)
+        advise_huge_pages(pool)
+        return pool
 
     def row_elements(self, spec: CacheGroupSpec) -> int:
         """Elements per row in the pool dtype (extra bytes, e.g. an fp32 scale, are stored inline)."""
