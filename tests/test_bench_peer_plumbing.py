@@ -75,3 +75,22 @@ def test_each_runs_figure_is_a_share_of_its_own_runs_ceiling(capsys):
                      "55% [50%-60%] / 55% [50%-60%]",        # 500 / 1,000 and 480 / 800; 600 / 1,000 and 400 / 800
                      "50% / 40%",                            # vLLM's run 2 against run 2's ceiling only
                      "2.00x / 2.50x"]                        # 800 / 400 and 800 / 320
+
+
+def test_each_served_figure_is_a_share_of_its_own_runs_ceiling():
+    args = bench_serve_peers.argparse.Namespace(requests=None, input_len=128, output_len=128,
+                                                concurrency=bench_serve_peers.parse_concurrency("1,32"))
+    works = bench_serve_peers.workloads(args)
+    tok_s = {("appliance", 0): (50.0, 400.0), ("vLLM", 0): (40.0, 320.0),
+             ("appliance", 1): (45.0, 450.0), ("vLLM", 1): (30.0, 400.0),
+             ("appliance", 2): (60.0, 600.0), ("vLLM", 2): (50.0, 500.0)}      # run 3's ceiling failed
+    sessions = [bench_serve_peers.Session(system, run, "6x768", (0, 0, 0), (0, 0, 0), 1.0, {
+        ("vllm bench serve", w.concurrency): bench_serve_peers.ClientResult(8, 0, tok_s[(system, run)][i], 1.0, 1.0)
+        for i, w in enumerate(works)}) for (system, run) in tok_s]
+    ceilings = [{"served_tok_s": {"1": 100.0, "32": 800.0}}, {"served_tok_s": {"1": 60.0, "32": 500.0}},
+                {"error": "run3-6x768: workload_ceiling rc=1"}]
+    rows = bench_serve_peers.ceiling_table(sessions, ceilings, ["vllm bench serve"], works)[2:]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert cells == [
+        ["vllm bench serve", "1", "80 [60-100]", "62% [50%-75%]", "45% [40%-50%]", "2.25x [2.00x-2.50x]"],
+        ["vllm bench serve", "32", "650 [500-800]", "70% [50%-90%]", "60% [40%-80%]", "1.88x [1.25x-2.50x]"]]
