@@ -3,9 +3,11 @@
 Why: a pool is as large as the memory budget (GiBs), and a decode step reads each sequence's pages wherever its
 block table puts them. On 4 KiB pages nearly every KV page read is a TLB miss, and in a virtual machine (nested
 paging) each miss walks two page tables. Measured on an AMD EPYC KVM guest (bench/ab_huge_pages.py: two runners in
-one process taking decode steps in turn, their pages scattered over a 1.5 GB pool): 6 x 768 bf16 at 64 rows x
-192-232 tokens, decode step 27.4 -> 25.7 ms; 12 x 1024 bf16 at 32 rows over 1.3 GB, 41.0 -> 39.7 ms. The weights
-(read in order, a few MB at a time) gained nothing measurable, so only pools ask.
+one process taking decode steps in turn, each row's pages scattered over its pool): 2-4% off every decode step in 7
+runs of 7 (6 x 768 bf16 at 64 rows over 1.5 and 6 GB, 25.0-29.8 -> 24.3-28.6 ms; 12 x 1024 bf16 at 32 rows over 1.3
+and 6 GB, 37.9-38.7 -> 36.5-37.9 ms). Served over a 400 MB pool (vllm bench serve, 12 x 1024 at concurrency 32) the
+difference was within the host's noise. The weights (read in order, a few MB at a time) gained nothing measurable,
+so only pools ask.
 
 Most Linux hosts ship THP as `madvise` (/sys/kernel/mm/transparent_hugepage/enabled): a region gets huge pages
 only when asked, with madvise(MADV_HUGEPAGE) before its pages are first touched. A pool is allocated with
