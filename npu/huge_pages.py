@@ -23,6 +23,7 @@ APPLIANCE_CPU_HUGE_PAGES=0 turns it off (pools then take whatever the host's THP
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -36,7 +37,9 @@ MADV_HUGEPAGE = 14              # <sys/mman.h>, Linux
 SWITCH = "APPLIANCE_CPU_HUGE_PAGES"
 
 
+@functools.cache
 def _madvise():
+    """libc's madvise, or None where this libc has none."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, "madvise", None)
     if fn is not None:
