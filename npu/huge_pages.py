@@ -13,7 +13,9 @@ Most Linux hosts ship THP as `madvise` (/sys/kernel/mm/transparent_hugepage/enab
 only when asked, with madvise(MADV_HUGEPAGE) before its pages are first touched. A pool is allocated with
 torch.empty and never touched as a whole, so its pages fault in as 2 MiB ones when first written. Only the
 tensor's 2 MiB-aligned interior is advised: nothing is allocated beyond what the planner counted (the pool's
-first and last partial 2 MiB stay on 4 KiB pages). torch has the same for every CPU allocation behind
+first and last partial 2 MiB stay on 4 KiB pages). A pool that malloc serves from memory the process already
+touched (a small one, from freed heap chunks: npu.cpu_malloc never trims the heap) keeps the 4 KiB pages it has
+until the kernel's khugepaged collapses them; a pool the size of a memory budget is a fresh mapping. torch has the same for every CPU allocation behind
 THP_MEM_ALLOC_ENABLE, but process-wide and read once at its first allocation (before this package is imported
 wherever torch came first); this asks for it where it was measured to help.
 
