@@ -15,9 +15,10 @@ torch.empty and never touched as a whole, so its pages fault in as 2 MiB ones wh
 tensor's 2 MiB-aligned interior is advised: nothing is allocated beyond what the planner counted (the pool's
 first and last partial 2 MiB stay on 4 KiB pages). A pool that malloc serves from memory the process already
 touched (a small one, from freed heap chunks: npu.cpu_malloc never trims the heap) keeps the 4 KiB pages it has
-until the kernel's khugepaged collapses them; a pool the size of a memory budget is a fresh mapping. torch has the same for every CPU allocation behind
-THP_MEM_ALLOC_ENABLE, but process-wide and read once at its first allocation (before this package is imported
-wherever torch came first); this asks for it where it was measured to help.
+until the kernel's khugepaged collapses them; a pool the size of a memory budget is a fresh mapping. torch has
+the same for every CPU allocation behind THP_MEM_ALLOC_ENABLE, but process-wide and read once at its first
+allocation (before this package is imported wherever torch came first); this asks for it where it was measured to
+help.
 
 APPLIANCE_CPU_HUGE_PAGES=0 turns it off (pools then take whatever the host's THP setting gives).
 """
