@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from profile_decode_floor import filled_rows  # noqa: E402   (bench/, beside this script)
 
 from appliance.config.compose import load_runtime_config  # noqa: E402
 from npu.huge_pages import SWITCH  # noqa: E402
@@ -46,28 +47,12 @@ def scattered_runner(model: str, huge: bool, batch: int, context: int, steps: in
     rc = load_runtime_config(["+model=hf", f"model.weights={model}", "device=cpu"])
     runner = Qwen3Runner(rc.model, "cpu")
     runner.load_weights()
-    spec = runner.cache_specs[0]
-    page_bytes = spec.page_size_bytes
-    pages = max(1, (pool_mib << 20) // page_bytes)
-    per_row = -(-(context + steps + 1) // runner.block_size)
-    if batch * per_row > pages - 1:
-        sys.exit(f"--pool-mib {pool_mib} holds {pages} pages; {batch} rows need {batch * per_row}")
+    pages = max(1, (pool_mib << 20) // runner.cache_specs[0].page_size_bytes)
     os.environ[SWITCH] = "1" if huge else "0"
     try:
-        runner.allocate_pools({spec.name: pages}, 1)
+        return runner, filled_rows(runner, batch, context, steps, random.Random(seed), pool_pages=pages)
     finally:
         os.environ.pop(SWITCH, None)
-    ids = random.Random(seed).sample(range(1, pages), batch * per_row)
-    tables = [ids[i * per_row:(i + 1) * per_row] for i in range(batch)]
-    rng = random.Random(seed)
-    with torch.inference_mode():
-        for first in range(0, batch, 8):
-            rows = range(first, min(first + 8, batch))
-            runner.execute(StepBatch(
-                [SeqStep(f"s{i}", [rng.randrange(3, 1000) for _ in range(context)], 0, {spec.name: tables[i]},
-                         sample=False) for i in rows],
-                new_pages={spec.name: [p for i in rows for p in tables[i]]}))
-    return runner, tables
 
 
 def main() -> None:
@@ -84,7 +69,6 @@ def main() -> None:
     before = anon_huge_kib()
     runners = {label: scattered_runner(args.model, huge, args.batch, args.context, args.steps, args.pool_mib, seed=5)
                for label, huge in (("4 KiB pages", False), ("2 MiB pages", True))}
-    spec = next(iter(runners.values()))[0].cache_specs[0]
     times: dict[str, list[float]] = {label: [] for label in runners}
     rng = random.Random(1)
     context = args.context
@@ -92,7 +76,7 @@ def main() -> None:
         for s in range(args.steps):
             for label in (list(runners) if s % 2 else list(reversed(runners))):
                 runner, tables = runners[label]
-                step = StepBatch([SeqStep(f"s{i}", [rng.randrange(3, 1000)], context, {spec.name: tables[i]})
+                step = StepBatch([SeqStep(f"s{i}", [rng.randrange(3, 1000)], context, {"kv": tables[i]})
                                   for i in range(args.batch)])
                 t = time.perf_counter()
                 runner.execute(step)

@@ -61,12 +61,22 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e9
 
 
-def filled_rows(runner: Qwen3Runner, batch: int, context: int, decode_steps: int, rng: random.Random) -> list[list[int]]:
+def filled_rows(runner: Qwen3Runner, batch: int, context: int, decode_steps: int, rng: random.Random,
+                pool_pages: int | None = None) -> list[list[int]]:
     """The runner's pool sized for `batch` rows of `context` tokens plus `decode_steps` more, each row's pages one
-    after another (as after a prefill), and the rows prefilled with random ids, 8 at a time; their page tables."""
+    after another (as after a prefill), and the rows prefilled with random ids, 8 at a time; their page tables.
+    With pool_pages, the pool holds that many pages and each row's are drawn at random over it (page 0 left out),
+    as a server's are after a while."""
     per_row = -(-(context + decode_steps + 1) // runner.block_size)
-    runner.allocate_pools({"kv": batch * per_row}, 1)
-    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
+    if pool_pages is None:
+        runner.allocate_pools({"kv": batch * per_row}, 1)
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(batch)]
+    else:
+        if batch * per_row > pool_pages - 1:
+            sys.exit(f"a pool of {pool_pages} pages cannot hold {batch} rows of {per_row} pages")
+        runner.allocate_pools({"kv": pool_pages}, 1)
+        ids = rng.sample(range(1, pool_pages), batch * per_row)
+        tables = [ids[i * per_row:(i + 1) * per_row] for i in range(batch)]
     vocab = min(1000, runner.model.layout.vocab_size)
     with torch.inference_mode():
         for first in range(0, batch, 8):
